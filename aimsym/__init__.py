@@ -1,0 +1,18 @@
+"""aimsym: symbolic-numeric derivation toolkit for learning in attention models."""
+
+__version__ = "0.1.0"
+
+from .errors import AimsymError, ChannelError, SpecError  # noqa: E402
+
+__all__ = ["AimsymError", "ChannelError", "SpecError", "load", "__version__"]
+
+
+def load(source, **parameters):
+    """Load a model from a TOML path, a TOML string or a spec; bind symbolic parameters.
+
+    ``aimsym.load("derivations/attention_L2_T2.toml", skip=1.0)`` returns a
+    :class:`aimsym.model.Model`.
+    """
+    from .model import load as _load
+
+    return _load(source, **parameters)

@@ -1,0 +1,21 @@
+"""User-facing errors: one line naming the field and what is allowed."""
+
+
+class AimsymError(ValueError):
+    """Bad input from a user. ``str(err)`` is a single line fit for a terminal.
+
+    ``field`` names the offending input (a TOML key, a CLI option, an argument name).
+    """
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+class SpecError(AimsymError):
+    """Invalid architecture declaration (TOML file or Python spec)."""
+
+
+class ChannelError(AimsymError):
+    """Denoiser input off the model's output manifold or otherwise unusable."""
