@@ -1,0 +1,220 @@
+"""Asymptotic fixed point of ERM in a tied attention layer (theory.md §8).
+
+Output side: the Moreau (proximal) step of the softmax square loss, expectations by a
+deterministic Gauss-Hermite tensor rule (T = 2) or randomised QMC with a standard error.
+Prior side: ``prior.prior_step`` (J(delta, eps) and its analytic derivatives).
+
+Conjugates use f = (h - z) / Sigma.  With (y*, z) the noisy-teacher and student fields,
+Gaussian integration by parts turns the §8 expressions into
+
+    q_hat     = 2 alpha E||f||^2
+    Sigma_hat = -2 alpha E[f . (Q0 z - m z*)] / (Q0 q - m^2)           (= -2 alpha E div_z f)
+    m_hat     =  2 alpha E[f . (q z* - m z)] / (Q0 q - m^2)            (= 2 alpha E div_y* f)
+
+used as written when Q0 q - m^2 is not small.  At the zero estimator (q = m = 0, Sigma = 0) both
+ratios are 0/0: there f = -grad l(z) and we use the equivalent forms
+Sigma_hat = 2 alpha E Tr hess l, m_hat = (2 alpha E[f . y*] + m Sigma_hat) / (Q0 + Delta/2).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..errors import AimsymError
+from .geometry import learned_basis, softmax_rows, to_matrix
+from .loss import loss, loss_grad_hess
+from .params import ERMParams
+from .prior import prior_step
+from .prox import prox
+from .quadrature import Rule, expect, gauss_hermite, rqmc
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """Quadrature and iteration settings (recorded with every result)."""
+
+    gh_nodes: int = 12          # Gauss-Hermite nodes per dimension in the iteration (T = 2)
+    gh_test_nodes: int = 32     # finer rule for the final (prox-free) test error
+    qmc_log2: int = 12          # 2^k Sobol points per replicate (T >= 3)
+    qmc_replicates: int = 4
+    qmc_seed: int = 0
+    tol: float = 1e-6           # relative change of (q, m, Sigma) between iterations
+    max_iter: int = 400
+    damping: float = 0.3        # weight of the old iterate
+    prior_nodes: int = 80
+
+    def rule(self, T: int, final: bool = False) -> Rule:
+        D = T * (T + 1) // 2 - 1
+        if T == 2:
+            return gauss_hermite(D, self.gh_test_nodes if final else self.gh_nodes,
+                                 1e-9 if final else 1e-6)
+        if final:
+            return rqmc(D, self.qmc_log2 + 2, self.qmc_replicates, self.qmc_seed + 1)
+        return rqmc(D, self.qmc_log2, self.qmc_replicates, self.qmc_seed)
+
+
+@dataclass
+class FixedPoint:
+    alpha: float
+    params: ERMParams
+    q: float
+    m: float
+    Sigma: float
+    q_hat: float
+    m_hat: float
+    Sigma_hat: float
+    train: float
+    test: float
+    test_clean: float
+    matrix_error: float
+    rank: float
+    delta: float
+    eps: float
+    iterations: int
+    converged: bool
+    stderr: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def asdict(self) -> dict:
+        out = {k: getattr(self, k) for k in (
+            "alpha", "q", "m", "Sigma", "q_hat", "m_hat", "Sigma_hat", "train", "test",
+            "test_clean", "matrix_error", "rank", "delta", "eps", "iterations", "converged",
+            "stderr", "seconds")}
+        out["alpha_bar"] = self.params.alpha_bar(self.alpha)
+        out["delta_peak"] = 1.0 - self.rank
+        out.update({k: v for k, v in self.params.asdict().items()})
+        return out
+
+
+def fields(params: ERMParams, q: float, m: float, rule: Rule):
+    """Noisy teacher field y*, student field z, and E[z* | y*, z] at the rule's nodes, (R, N, L)."""
+    Q0, Qy = params.Q0, params.Q0 + params.Delta / 2
+    a = m / Qy
+    b = np.sqrt(max(q - a * m, 0.0))
+    B = learned_basis(params.tokens)
+    gy, gz = rule.g[..., 0, :] @ B.T, rule.g[..., 1, :] @ B.T
+    ystar = np.sqrt(Qy) * gy
+    z = a * ystar + b * gz
+    # z* = (Q0/Qy) y* + r, r independent of y*, Cov(r, z) = m (1 - Q0/Qy)
+    c = m * (1.0 - Q0 / Qy) / b if b > 0 else 0.0
+    zstar = (Q0 / Qy) * ystar + c * gz
+    return ystar, z, zstar, a, b
+
+
+def labels(params: ERMParams, ystar: np.ndarray) -> np.ndarray:
+    return softmax_rows(params.beta0 * to_matrix(ystar, params.tokens))
+
+
+def test_errors(params: ERMParams, q: float, m: float, rule: Rule) -> dict:
+    """Test error against noisy labels ('test') and against the clean teacher ('test_clean')."""
+    ystar, z, zstar, a, b = fields(params, q, m, rule)
+    P = softmax_rows(params.beta * to_matrix(z, params.tokens))
+    Y = labels(params, ystar)
+    Yc = softmax_rows(params.beta0 * to_matrix(zstar_clean(params, q, m, rule), params.tokens))
+    return {"test": np.asarray(expect(((P - Y) ** 2).sum((-1, -2)), rule)),
+            "test_clean": np.asarray(expect(((P - Yc) ** 2).sum((-1, -2)), rule))}
+
+
+def output_step(params: ERMParams, alpha: float, q: float, m: float, Sigma: float, rule: Rule,
+                sigma_min: float = 1e-9, with_test: bool = False) -> dict:
+    """Conjugates and training loss from (q, m, Sigma)."""
+    ystar, z, zstar, a, b = fields(params, q, m, rule)
+    R, N, L = z.shape
+    Y = labels(params, ystar)
+    zf, Yf = z.reshape(-1, L), Y.reshape(-1, params.tokens, params.tokens)
+    if Sigma > sigma_min:
+        h = prox(zf, Yf, Sigma, params.beta)
+        f = (h - zf) / Sigma
+    else:  # Sigma -> 0 limit of the prox: h = z - Sigma grad l(z)
+        h = zf
+        f = -loss_grad_hess(zf, Yf, params.beta)[1]
+    f = f.reshape(R, N, L)
+    Q0, Qy = params.Q0, params.Q0 + params.Delta / 2
+    det = Q0 * q - m * m
+    out = {}
+    out["q_hat"] = 2 * alpha * np.asarray(expect((f * f).sum(-1), rule))
+    if det > 1e-10 * Q0 * max(q, 1e-300) and b > 1e-8:
+        out["Sigma_hat"] = -2 * alpha * np.asarray(expect((f * (Q0 * z - m * zstar)).sum(-1), rule)) / det
+        out["m_hat"] = 2 * alpha * np.asarray(expect((f * (q * zstar - m * z)).sum(-1), rule)) / det
+    else:
+        H = loss_grad_hess(h, Yf, params.beta)[2]
+        if Sigma > sigma_min:
+            eye = np.eye(L)
+            H = np.linalg.solve(eye + Sigma * H, H)
+        trH = np.trace(H, axis1=-2, axis2=-1).reshape(R, N)
+        sh = 2 * alpha * np.asarray(expect(trH, rule))
+        fy = 2 * alpha * np.asarray(expect((f * ystar).sum(-1), rule))
+        out["Sigma_hat"] = sh
+        out["m_hat"] = (fy + m * sh) / Qy
+    out["train"] = np.asarray(expect(loss(h, Yf, params.beta).reshape(R, N), rule))
+    if with_test:
+        out.update(test_errors(params, q, m, rule))
+    return out
+
+
+def zstar_clean(params, q, m, rule):
+    """Noise-free teacher field with the same student field z (for the clean test error)."""
+    ystar, z, zstar, a, b = fields(params, q, m, rule)
+    if params.Delta == 0:
+        return ystar
+    # draw the residual of z* given z with the rule's nodes: z* = (m/q) z + sqrt(Q0 - m^2/q) g
+    B = learned_basis(params.tokens)
+    g = rule.g[..., 0, :] @ B.T
+    if q <= 0:
+        return np.sqrt(params.Q0) * g
+    gz = (z / np.sqrt(q))
+    return (m / np.sqrt(q)) * gz + np.sqrt(max(params.Q0 - m * m / q, 0.0)) * g
+
+
+def _zero_predictor(params: ERMParams, alpha: float, rule: Rule, **kw) -> dict:
+    return output_step(params, alpha, 0.0, 0.0, 0.0, rule, **kw)
+
+
+def fixed_point(params: ERMParams, alpha: float, accuracy: Accuracy = Accuracy(), *,
+                init: tuple[float, float, float] | None = None) -> FixedPoint:
+    """Iterate output and prior steps to the fixed point at sample ratio alpha = n / d^2."""
+    if not (np.isfinite(alpha) and alpha > 0):
+        raise AimsymError("alpha", f"must be a finite number > 0, got {alpha}")
+    t0 = time.perf_counter()
+    rule = accuracy.rule(params.tokens)
+    q, m, Sigma = init if init is not None else (0.5 * params.Q0, 0.5 * params.Q0, 1.0)
+    damp = accuracy.damping
+    converged, it = False, 0
+    last = None
+    for it in range(1, accuracy.max_iter + 1):
+        out = output_step(params, alpha, q, m, Sigma, rule)
+        qh, mh, sh = (float(out[k][0]) for k in ("q_hat", "m_hat", "Sigma_hat"))
+        if not all(np.isfinite([qh, mh, sh])):
+            raise FloatingPointError(f"non-finite conjugates at alpha={alpha}: {qh, mh, sh}")
+        if mh <= 0 or sh <= 0:
+            # the student learns nothing useful: at this alpha the estimator collapses
+            mh, sh = max(mh, 1e-300), max(sh, 1e-300)
+        pr = prior_step(params.penalty, qh, mh, sh, params.lam, params.kappa0, params.kappa,
+                        accuracy.prior_nodes)
+        new = np.array([pr.q, pr.m, pr.Sigma])
+        old = np.array([q, m, Sigma])
+        upd = (1 - damp) * new + damp * old
+        change = np.max(np.abs(upd - old) / (np.abs(upd) + 1e-12))
+        q, m, Sigma = upd
+        last = (out, pr, qh, mh, sh)
+        if pr.q == 0.0 and q < 1e-300:
+            converged = True
+            break
+        if change < accuracy.tol:
+            converged = True
+            break
+    out = output_step(params, alpha, q, m, Sigma, rule)
+    out.update(test_errors(params, q, m, accuracy.rule(params.tokens, final=True)))
+    _, pr, qh, mh, sh = last
+    return FixedPoint(
+        alpha=float(alpha), params=params, q=float(q), m=float(m), Sigma=float(Sigma),
+        q_hat=qh, m_hat=mh, Sigma_hat=sh,
+        train=float(out["train"][0]), test=float(out["test"][0]),
+        test_clean=float(out["test_clean"][0]),
+        matrix_error=float(params.Q0 + q - 2 * m), rank=float(pr.rank), delta=pr.delta, eps=pr.eps,
+        iterations=it, converged=converged,
+        stderr={k: float(out[k][1]) for k in ("train", "test", "q_hat")},
+        seconds=time.perf_counter() - t0)
