@@ -28,7 +28,7 @@ from scipy.optimize import brentq
 from ..aim.spectral import stieltjes, support_edges
 
 PENALTIES = ("pnn", "snn", "ridge")
-PRIOR_NODES = 80  # Gauss-Legendre nodes per bulk piece
+PRIOR_NODES = 320  # Gauss-Legendre nodes per bulk piece (near-merging bulks need many)
 
 
 @lru_cache(maxsize=8)

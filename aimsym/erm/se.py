@@ -44,7 +44,7 @@ class Accuracy:
     tol: float = 1e-6           # relative change of (q, m, Sigma) between iterations
     max_iter: int = 400
     damping: float = 0.3        # weight of the old iterate
-    prior_nodes: int = 80
+    prior_nodes: int = 320
 
     def rule(self, T: int, final: bool = False) -> Rule:
         D = T * (T + 1) // 2 - 1
