@@ -206,8 +206,13 @@ def fixed_point(params: ERMParams, alpha: float, accuracy: Accuracy = Accuracy()
         if change < accuracy.tol:
             converged = True
             break
-    out = output_step(params, alpha, q, m, Sigma, rule)
+    out = output_step(params, alpha, q, m, Sigma, rule, with_test=True)
+    coarse = {k: float(out[k][0]) for k in ("test", "test_clean")}
     out.update(test_errors(params, q, m, accuracy.rule(params.tokens, final=True)))
+    # a-posteriori accuracy: QMC standard errors, or (Gauss-Hermite) the change between the
+    # iteration rule and the finer final rule, a conservative bound for the final value
+    err = {k: max(float(out[k][1]), abs(float(out[k][0]) - coarse[k])) for k in coarse}
+    err["train"] = float(out["train"][1])
     _, pr, qh, mh, sh = last
     return FixedPoint(
         alpha=float(alpha), params=params, q=float(q), m=float(m), Sigma=float(Sigma),
@@ -216,5 +221,20 @@ def fixed_point(params: ERMParams, alpha: float, accuracy: Accuracy = Accuracy()
         test_clean=float(out["test_clean"][0]),
         matrix_error=float(params.Q0 + q - 2 * m), rank=float(pr.rank), delta=pr.delta, eps=pr.eps,
         iterations=it, converged=converged,
-        stderr={k: float(out[k][1]) for k in ("train", "test", "q_hat")},
+        stderr=err,
         seconds=time.perf_counter() - t0)
+
+
+def curve(params: ERMParams, alphas, accuracy: Accuracy = Accuracy(), progress: bool = False):
+    """Fixed points along a grid of alpha, each warm-started from its neighbour."""
+    out, init = [], None
+    it = alphas
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(alphas, desc="erm se", leave=False)
+    for a in it:
+        fp = fixed_point(params, float(a), accuracy, init=init)
+        out.append(fp)
+        if fp.converged and fp.q > 0:
+            init = (fp.q, fp.m, fp.Sigma)
+    return out
