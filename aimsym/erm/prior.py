@@ -28,7 +28,7 @@ from scipy.optimize import brentq
 from ..aim.spectral import stieltjes, support_edges
 
 PENALTIES = ("pnn", "snn", "ridge")
-PRIOR_NODES = 320  # Gauss-Legendre nodes per bulk piece (near-merging bulks need many)
+PRIOR_NODES = 160  # Gauss-Legendre nodes per panel
 
 
 @lru_cache(maxsize=8)
@@ -60,7 +60,16 @@ def nodes(kappa0: float, delta: float, intervals, n: int = PRIOR_NODES):
     """Quadrature nodes y, weights w (Jacobian included) and G(y - i0) on the intervals."""
     theta, wt = _gl_theta(n)
     ys, ws = [], []
+    # extra panel breaks where the broadened atom at 0 (a semicircle of radius
+    # ~2 delta sqrt(1 - kappa0)) meets the Wishart bulk: the density has a sharp dip there
+    w0 = 2.0 * delta * np.sqrt(max(1.0 - kappa0, 0.0))
+    breaks = [0.0, -w0, w0, 2 * w0] if w0 > 0 else [0.0]
+    split = []
     for lo, hi in intervals:
+        inner = sorted(b for b in breaks if lo + 1e-12 * (hi - lo) < b < hi - 1e-12 * (hi - lo))
+        pts = [lo, *inner, hi]
+        split.extend(zip(pts[:-1], pts[1:]))
+    for lo, hi in split:
         mid, half = 0.5 * (lo + hi), 0.5 * (hi - lo)
         ys.append(mid - half * np.cos(theta))
         ws.append(wt * half * np.sin(theta))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import AimsymError
+from ._blas import set_blas_threads
 from .geometry import learned_basis, softmax_rows, to_matrix
 from .loss import loss, loss_grad_hess
 from .params import ERMParams
@@ -38,21 +39,25 @@ class Accuracy:
 
     gh_nodes: int = 12          # Gauss-Hermite nodes per dimension in the iteration (T = 2)
     gh_test_nodes: int = 32     # finer rule for the final (prox-free) test error
+    gh_final_nodes: int = 20    # finer rule for the final conjugates and training error
     qmc_log2: int = 12          # 2^k Sobol points per replicate (T >= 3)
     qmc_replicates: int = 4
     qmc_seed: int = 0
-    tol: float = 1e-6           # relative change of (q, m, Sigma) between iterations
+    tol: float = 1e-5           # relative change of (q, m, Sigma) between iterations
     max_iter: int = 400
     damping: float = 0.3        # weight of the old iterate
-    prior_nodes: int = 320
+    prior_nodes: int = 160
+    rule_kind: str = "auto"     # auto | gauss-hermite | rqmc
 
-    def rule(self, T: int, final: bool = False) -> Rule:
+    def rule(self, T: int, final: str | None = None) -> Rule:
+        """Rule for the iteration, or final='prox' / 'test' for the finer final evaluations."""
         D = T * (T + 1) // 2 - 1
-        if T == 2:
-            return gauss_hermite(D, self.gh_test_nodes if final else self.gh_nodes,
-                                 1e-9 if final else 1e-6)
+        if self.rule_kind == "gauss-hermite" or (self.rule_kind == "auto" and T == 2):
+            n = {None: self.gh_nodes, "prox": self.gh_final_nodes, "test": self.gh_test_nodes}[final]
+            return gauss_hermite(D, n, 1e-6 if final is None else 1e-8)
         if final:
-            return rqmc(D, self.qmc_log2 + 2, self.qmc_replicates, self.qmc_seed + 1)
+            return rqmc(D, self.qmc_log2 + (1 if final == "prox" else 2), self.qmc_replicates,
+                        self.qmc_seed + 1)
         return rqmc(D, self.qmc_log2, self.qmc_replicates, self.qmc_seed)
 
 
@@ -137,7 +142,7 @@ def output_step(params: ERMParams, alpha: float, q: float, m: float, Sigma: floa
     out = {}
     out["q_hat"] = 2 * alpha * np.asarray(expect((f * f).sum(-1), rule))
     if det > 1e-10 * Q0 * max(q, 1e-300) and b > 1e-8:
-        out["Sigma_hat"] = -2 * alpha * np.asarray(expect((f * (Q0 * z - m * zstar)).sum(-1), rule)) / det
+        out["Sigma_hat"] = -2 * alpha * np.asarray(expect((f * (Q0 * z - m * zstar)).sum(-1), rule)) / det * [1, -1]
         out["m_hat"] = 2 * alpha * np.asarray(expect((f * (q * zstar - m * z)).sum(-1), rule)) / det
     else:
         H = loss_grad_hess(h, Yf, params.beta)[2]
@@ -178,12 +183,13 @@ def fixed_point(params: ERMParams, alpha: float, accuracy: Accuracy = Accuracy()
     """Iterate output and prior steps to the fixed point at sample ratio alpha = n / d^2."""
     if not (np.isfinite(alpha) and alpha > 0):
         raise AimsymError("alpha", f"must be a finite number > 0, got {alpha}")
+    set_blas_threads(1)  # tiny batched LAPACK calls: threads only add contention
     t0 = time.perf_counter()
     rule = accuracy.rule(params.tokens)
     q, m, Sigma = init if init is not None else (0.5 * params.Q0, 0.5 * params.Q0, 1.0)
     damp = accuracy.damping
     converged, it = False, 0
-    last = None
+    last, zero_ok = None, None
     for it in range(1, accuracy.max_iter + 1):
         out = output_step(params, alpha, q, m, Sigma, rule)
         qh, mh, sh = (float(out[k][0]) for k in ("q_hat", "m_hat", "Sigma_hat"))
@@ -198,21 +204,30 @@ def fixed_point(params: ERMParams, alpha: float, accuracy: Accuracy = Accuracy()
         old = np.array([q, m, Sigma])
         upd = (1 - damp) * new + damp * old
         change = np.max(np.abs(upd - old) / (np.abs(upd) + 1e-12))
-        q, m, Sigma = upd
         last = (out, pr, qh, mh, sh)
-        if pr.q == 0.0 and q < 1e-300:
-            converged = True
-            break
+        if pr.rank == 0.0 and zero_ok is None:
+            # eps above the whole spectrum: is S_hat = 0 itself a fixed point?
+            z_out = output_step(params, alpha, 0.0, 0.0, 0.0, rule)
+            zq, zm, zs = (float(z_out[k][0]) for k in ("q_hat", "m_hat", "Sigma_hat"))
+            z_pr = prior_step(params.penalty, zq, zm, zs, params.lam, params.kappa0, params.kappa,
+                              accuracy.prior_nodes)
+            zero_ok = z_pr.rank == 0.0
+            if zero_ok:
+                q, m, Sigma = 0.0, 0.0, 0.0
+                last = (z_out, z_pr, zq, zm, zs)
+                converged = True
+                break
+        q, m, Sigma = upd
         if change < accuracy.tol:
             converged = True
             break
-    out = output_step(params, alpha, q, m, Sigma, rule, with_test=True)
-    coarse = {k: float(out[k][0]) for k in ("test", "test_clean")}
-    out.update(test_errors(params, q, m, accuracy.rule(params.tokens, final=True)))
+    coarse = output_step(params, alpha, q, m, Sigma, rule, with_test=True)
+    out = output_step(params, alpha, q, m, Sigma, accuracy.rule(params.tokens, "prox"))
+    out.update(test_errors(params, q, m, accuracy.rule(params.tokens, "test")))
     # a-posteriori accuracy: QMC standard errors, or (Gauss-Hermite) the change between the
-    # iteration rule and the finer final rule, a conservative bound for the final value
-    err = {k: max(float(out[k][1]), abs(float(out[k][0]) - coarse[k])) for k in coarse}
-    err["train"] = float(out["train"][1])
+    # iteration rule and the finer final rules, a conservative bound for the final values
+    err = {k: max(float(out[k][1]), abs(float(out[k][0]) - float(coarse[k][0])))
+           for k in ("test", "test_clean", "train", "q_hat", "m_hat", "Sigma_hat")}
     _, pr, qh, mh, sh = last
     return FixedPoint(
         alpha=float(alpha), params=params, q=float(q), m=float(m), Sigma=float(Sigma),

@@ -67,13 +67,20 @@ def cdf(fp: FixedPoint, x: np.ndarray, n: int = 2000) -> np.ndarray:
 
 def ks_distance(fp: FixedPoint, eigenvalues: np.ndarray, zero_tol: float = 1e-2) -> float:
     """Kolmogorov-Smirnov distance between trained eigenvalues and the prediction; eigenvalues
-    with |s| < zero_tol max|s| are counted in the delta peak (Adam never reaches exact zeros)."""
-    ev = np.sort(np.asarray(eigenvalues, float))
-    ev = np.where(np.abs(ev) < zero_tol * np.abs(ev).max(), 0.0, ev)
-    ev = np.sort(ev)
+    with |s| < zero_tol max|s| are counted in the delta peak (Adam never reaches exact zeros).
+    Ties (the peak) are handled with left and right limits of both CDFs."""
+    ev = np.asarray(eigenvalues, float)
+    ev = np.sort(np.where(np.abs(ev) < zero_tol * np.abs(ev).max(), 0.0, ev))
+    n = ev.size
+    right = np.searchsorted(ev, ev, "right") / n
+    left = np.searchsorted(ev, ev, "left") / n
     F = cdf(fp, ev)
-    k = np.arange(1, ev.size + 1) / ev.size
-    return float(max(np.max(np.abs(k - F)), np.max(np.abs(k - 1.0 / ev.size - F))))
+    F_left = F - np.where(ev == 0.0, _atom(fp), 0.0)
+    return float(max(np.max(np.abs(right - F)), np.max(np.abs(left - F_left))))
+
+
+def _atom(fp: FixedPoint) -> float:
+    return spectrum(fp, 50)["delta_peak"]
 
 
 def singular_value_density(fp: FixedPoint, n: int = 400) -> dict:
