@@ -19,6 +19,8 @@ from .errors import AimsymError
 # stays fast and a missing optional stage does not break the others.
 _COMMAND_MODULES = (
     "aimsym.cli_smi",
+    "aimsym.cli_se",
+    "aimsym.cli_amp",
     "aimsym.aim.cli",
     "aimsym.erm.cli",
 )

@@ -1,0 +1,328 @@
+"""Code generation: a derivation -> one self-contained Python module of scalar ``@njit``
+kernels (the link, its Jacobian, the reduced-posterior branches) plus the batch denoiser
+driver, written to a real file so that ``njit(cache=True)`` caches the machine code.
+
+The module imports only ``math``, ``numpy`` and ``numba``. Its text is deterministic (a
+function of the spec and the generator version), which ``aimsym generate --check`` uses
+to detect stale committed modules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import sympy as sp
+from sympy.printing.pycode import PythonCodePrinter
+
+from . import __version__
+from .latexutil import latex_cse
+from .spec import Spec, to_toml
+from .symbolic import Derivation, derive
+
+GENERATOR_VERSION = f"{__version__}+g1"
+TEMPLATE = Path(__file__).with_name("driver_template.py")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Printer(PythonCodePrinter):
+    """Prints against ``math``; Heaviside and sign as small local helpers."""
+
+    def _print_Heaviside(self, expr):
+        return f"_heaviside({self._print(expr.args[0])})"
+
+    def _print_sign(self, expr):
+        return f"_sign({self._print(expr.args[0])})"
+
+    def _print_Symbol(self, expr):
+        return expr.name
+
+    def _print_Rational(self, expr):
+        return f"{float(expr)!r}"
+
+    def _print_Float(self, expr):
+        return repr(float(expr))
+
+
+_P = _Printer({"fully_qualified_modules": True, "standard": "python3"})
+
+
+def _code(expr) -> str:
+    return _P.doprint(expr)
+
+
+def _cse_block(exprs: list[sp.Expr], indent: str = "    ", prefix: str = "x") -> tuple[list[str], list[str]]:
+    repl, reduced = sp.cse(exprs, symbols=sp.numbered_symbols(prefix), optimizations="basic", order="canonical")
+    lines = [f"{indent}{sym} = {_code(sub)}" for sym, sub in repl]
+    return lines, [_code(e) for e in reduced]
+
+
+def _docstring(title: str, latex_lines: list[str], indent: str = "    ") -> list[str]:
+    body = [f'{indent}r"""{title}', "", f"{indent}.. math::", ""]
+    body += [f"{indent}    {ln} \\\\" for ln in latex_lines]
+    body += [f'{indent}"""']
+    return body
+
+
+def _unpack(d: Derivation, entries, source: str, indent="    ") -> list[str]:
+    return [f"{indent}{d.Z[k, t].name} = {source}[{i}]" for i, (k, t) in enumerate(entries)]
+
+
+def _unpack_Z(d: Derivation, indent="    ") -> list[str]:
+    return [f"{indent}{d.Z[k, t].name} = Z[{k}, {t}]" for k in range(d.p) for t in range(d.tokens)]
+
+
+def _unpack_params(d: Derivation, indent="    ") -> list[str]:
+    return [f"{indent}{s.name} = params[{i}]" for i, s in enumerate(d.params)]
+
+
+def _link_kernel(d: Derivation) -> list[str]:
+    out = list(d.link)
+    rows, cols = d.link.shape
+    names = [(f"y_{{{a},{b}}}", d.link[a, b]) for a in range(rows) for b in range(cols)]
+    lines = ["@njit(cache=True)", "def link(Z, params, out):"]
+    lines += _docstring("Link y = g(Z); Z has shape (P, T), out has shape LINK_SHAPE.", latex_cse(names, 6000))
+    lines += _unpack_Z(d) + _unpack_params(d)
+    cse_lines, reduced = _cse_block(out)
+    lines += cse_lines
+    lines += [f"    out[{a}, {b}] = {reduced[a * cols + b]}" for a in range(rows) for b in range(cols)]
+    return lines
+
+
+def _jacobian_kernel(d: Derivation) -> list[str]:
+    J = d.jacobian
+    rows, cols = d.link.shape
+    flat = [J[a, b, k, t] for a in range(rows) for b in range(cols) for k in range(d.p) for t in range(d.tokens)]
+    lines = ["@njit(cache=True)", "def link_jacobian(Z, params, out):"]
+    lines += [
+        '    r"""Jacobian out[a, b, k, t] = d y_{a,b} / d z_{k,t} (derivative of the link above,',
+        "    by SymPy; entries identically zero are left as written by the caller's zeroing).",
+        '    """',
+    ]
+    lines += _unpack_Z(d) + _unpack_params(d)
+    cse_lines, reduced = _cse_block(flat)
+    lines += cse_lines
+    i = 0
+    for a in range(rows):
+        for b in range(cols):
+            for k in range(d.p):
+                for t in range(d.tokens):
+                    lines.append(f"    out[{a}, {b}, {k}, {t}] = {reduced[i]}")
+                    i += 1
+    return lines
+
+
+def _branch_kernel(d: Derivation) -> list[str]:
+    """``branch(b, u, obs, params, z) -> log weight factor`` for the reduced posterior."""
+    red = d.reduction
+    lines = ["@njit(cache=True)", "def branch(b, u, obs, params, z):"]
+    if red is not None:
+        named = [(f"z_{{{k},{t}}}^{{(s={'+-'[i] if red.kind == 'attention-rank1' else i})}}", e)
+                 for i, br in enumerate(red.branches) for (k, t), e in zip(red.solved, br)]
+        named += [(f"\\log J^{{({i})}}", e) for i, e in enumerate(red.log_jacobian)]
+        title = ("Reduced posterior branch b: fills z (P, T) from the free entries u and the observed "
+                 "quantity obs; returns the log of the weight factor (Jacobian).")
+        lines += _docstring(title, latex_cse(named, 8000))
+        lines += _unpack(d, red.free, "u")
+        lines += [f"    {s.name} = obs[{i}]" for i, s in enumerate(red.obs)]
+        lines += _unpack_params(d)
+        lines += [f"    z[{k}, {t}] = {d.Z[k, t].name}" for k, t in red.free]
+        exprs = [e for br in red.branches for e in br] + list(red.log_jacobian)
+        cse_lines, reduced = _cse_block(exprs)
+        lines += cse_lines
+        n_solved = len(red.solved)
+        for i in range(len(red.branches)):
+            lines.append(f"    {'if' if i == 0 else 'elif'} b == {i}:")
+            for j, (k, t) in enumerate(red.solved):
+                lines.append(f"        z[{k}, {t}] = {reduced[i * n_solved + j]}")
+            lines.append(f"        return {reduced[len(red.branches) * n_solved + i]}")
+        lines.append("    return -math.inf")
+        return lines
+    # generic path: u is all of Z (row-major); the factor is the Gaussian output noise
+    entries = [(k, t) for k in range(d.p) for t in range(d.tokens)]
+    lines += [
+        '    r"""Generic path: u holds all entries of Z (row-major); returns',
+        "    log N(obs; g(Z), Delta I) with Delta = NOISE (or params[NOISE_PARAM]).",
+        '    """',
+    ]
+    lines += _unpack(d, entries, "u") + _unpack_params(d)
+    lines += [f"    z[{k}, {t}] = {d.Z[k, t].name}" for k, t in entries]
+    out = list(d.link)
+    cse_lines, reduced = _cse_block(out)
+    lines += cse_lines
+    lines.append("    Delta = noise_variance(params)")
+    lines.append("    acc = 0.0")
+    for i, e in enumerate(reduced):
+        lines.append(f"    r = obs[{i}] - ({e})")
+        lines.append("    acc += r * r")
+    lines.append(f"    return -0.5 * acc / Delta - {0.5 * len(out)} * math.log(2.0 * math.pi * Delta)")
+    return lines
+
+
+def _noise_kernel(d: Derivation) -> list[str]:
+    noise = d.spec.noise
+    names = [s.name for s in d.params]
+    body = f"params[{names.index(noise)}]" if isinstance(noise, str) else repr(float(noise))
+    return ["@njit(cache=True)", "def noise_variance(params):", f"    return {body}"]
+
+
+def _last_beta_kernel(d: Derivation) -> list[str]:
+    red = d.reduction
+    beta = red.beta if (red is not None and red.beta is not None) else sp.Integer(1)
+    lines = ["@njit(cache=True)", "def last_beta(params):"]
+    lines += _unpack_params(d)
+    lines.append(f"    return {_code(beta)}")
+    return lines
+
+
+def module_source(spec: Spec) -> str:
+    d = derive(spec)
+    red = d.reduction
+    info = d.summary()
+    names = [s.name for s in d.params]
+    rows, cols = d.link.shape
+    if red is not None:
+        path, free, solved, n_branches = red.kind, red.free, red.solved, len(red.branches)
+        obs_kind = "h" if red.kind == "attention-rank1" else "y"
+        activation = red.activation
+    else:
+        path = "noisy"
+        free = [(k, t) for k in range(d.p) for t in range(d.tokens)]
+        solved, n_branches, obs_kind, activation = [], 1, "y", ""
+    head = [
+        '"""Generated by aimsym -- do not edit; regenerate with `aimsym generate`.',
+        "",
+        f"model: {spec.name}",
+        f"spec hash: {spec.hash()}",
+        f"generator: {GENERATOR_VERSION}",
+        f"denoiser path: {info['denoiser_path']} ({info['reduction']['reason']})",
+        "",
+        "Spec:",
+        "",
+        *["    " + ln for ln in to_toml(spec).splitlines()],
+        '"""',
+        "",
+        "import math",
+        "",
+        "import numpy as np",
+        "from numba import njit, prange",
+        "",
+        f"SPEC_HASH = {spec.hash()!r}",
+        f"GENERATOR_VERSION = {GENERATOR_VERSION!r}",
+        f"NAME = {spec.name!r}",
+        f"P = {d.p}",
+        f"T = {d.tokens}",
+        f"LINK_SHAPE = ({rows}, {cols})",
+        f"OUTPUT_SHAPE = {tuple(d.output_shape)!r}",
+        f"PARAM_NAMES = {tuple(names)!r}",
+        f"PATH = {path!r}",
+        f"OBS_KIND = {obs_kind!r}",
+        f"LAST_ACTIVATION = {activation!r}",
+        f"N_BRANCHES = {n_branches}",
+        f"FREE = {tuple(free)!r}",
+        f"SOLVED = {tuple(solved)!r}",
+        f"INTEGRAL_DIM = {len(free)}",
+        f"EVEN_ROWS = {tuple(tuple(s['rows']) for s in d.symmetries if s['name'] != 'Z -> -Z')!r}",
+        "",
+        "",
+        "@njit(cache=True)",
+        "def _heaviside(x):",
+        "    return 1.0 if x > 0.0 else (0.0 if x < 0.0 else 0.5)",
+        "",
+        "",
+        "@njit(cache=True)",
+        "def _sign(x):",
+        "    return 1.0 if x > 0.0 else (-1.0 if x < 0.0 else 0.0)",
+        "",
+    ]
+    parts = [_link_kernel(d), _jacobian_kernel(d), _noise_kernel(d), _last_beta_kernel(d), _branch_kernel(d)]
+    body = []
+    for p in parts:
+        body += ["", ""] + p
+    template = TEMPLATE.read_text().split("# ---- template begins ----\n", 1)[1]
+    text = "\n".join(head + body) + "\n\n\n" + template
+    return text
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def generated_dir() -> Path:
+    return REPO_ROOT / "generated"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("AIMSYM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "aimsym"
+    )
+    return Path(root)
+
+
+def module_path(spec: Spec, *, bundled: bool | None = None) -> Path:
+    """Where the module for ``spec`` lives: ``generated/NAME.py`` for bundled derivations,
+    otherwise a cache directory keyed by the spec hash."""
+    if bundled is None:
+        bundled = is_bundled(spec)
+    if bundled:
+        return generated_dir() / f"{spec.name}.py"
+    return cache_dir() / spec.hash() / f"{_pyname(spec.name)}_{spec.hash()}.py"
+
+
+def _pyname(name: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in name)
+
+
+def is_bundled(spec: Spec) -> bool:
+    from . import spec as spec_mod
+
+    f = REPO_ROOT / "derivations" / f"{spec.name}.toml"
+    if not f.exists():
+        return False
+    try:
+        return spec_mod.load(f) == spec
+    except Exception:  # a broken bundled file is not this spec
+        return False
+
+
+def write_module(spec: Spec, path: Path | None = None) -> Path:
+    path = path or module_path(spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = module_source(spec)
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return path
+
+
+def is_stale(spec: Spec, path: Path) -> bool:
+    return not path.exists() or path.read_text() != module_source(spec)
+
+
+def import_module(path: Path):
+    """Import a generated module from its file (cached in ``sys.modules`` by content hash)."""
+    key = "aimsym_generated_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    mod = sys.modules.get(key)
+    if mod is not None and getattr(mod, "__file__", None) == str(path):
+        return mod
+    spec = importlib.util.spec_from_file_location(key, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[key] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def load_kernels(spec: Spec):
+    """Generated module for ``spec``: the committed one if bundled and current, otherwise
+    (re)generated into the cache directory."""
+    path = module_path(spec)
+    if is_bundled(spec) and not is_stale(spec, path):
+        return import_module(path)
+    if is_bundled(spec):
+        path = module_path(spec, bundled=False)
+    if is_stale(spec, path):
+        write_module(spec, path)
+    return import_module(path)

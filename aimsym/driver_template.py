@@ -1,0 +1,368 @@
+"""Batch denoiser driver, hand-written once and appended verbatim to every generated module
+(below the marker) so that numba caches it together with the model's scalar kernels.
+
+It relies on the generated names ``branch``, ``last_beta``, ``P``, ``T``, ``FREE``,
+``N_BRANCHES``, ``OBS_KIND`` and ``LAST_ACTIVATION``. This file is not imported by the
+package; it only has to be valid Python so that linters and the generator can read it.
+"""
+
+import math  # noqa: F401  (names below are resolved in the generated module)
+
+import numpy as np  # noqa: F401
+from numba import njit, prange  # noqa: F401
+
+# ---- template begins ----
+# ============================================================================
+# Batch denoiser driver (aimsym/driver_template.py, appended to every module)
+# ============================================================================
+#
+# Posterior over Z given y and the Gaussian prior prod_t N(z_t; omega_t, V), reduced to the
+# free entries u on each branch b: weight prod_t N(z_t; omega_t, V) * exp(branch(b, u, ...)).
+# The integral over u is a tensor Gauss-Hermite (or any given) rule in the standard normal
+# variable xi, mapped by u = m_b + L_b xi. The first pass uses the prior marginal of u; each
+# further pass re-centres the rule on the branch posterior's mean and covariance (adaptive
+# Gauss-Hermite). Sums are streamed with a running maximum (log-sum-exp), so no weight
+# under- or overflows.
+
+STATUS_OK = 0
+STATUS_BAD_V = 1
+STATUS_OFF_MANIFOLD = 2
+STATUS_ZERO_LIKELIHOOD = 3
+STATUS_NOT_FINITE = 4
+
+
+@njit(cache=True)
+def _cholesky(A, L):
+    """Lower Cholesky factor of a small SPD matrix; returns False if A is not SPD."""
+    n = A.shape[0]
+    for i in range(n):
+        for j in range(i + 1):
+            s = A[i, j]
+            for k in range(j):
+                s -= L[i, k] * L[j, k]
+            if i == j:
+                if not (s > 0.0):
+                    return False
+                L[i, i] = math.sqrt(s)
+            else:
+                L[i, j] = s / L[j, j]
+        for j in range(i + 1, n):
+            L[i, j] = 0.0
+    return True
+
+
+@njit(cache=True)
+def _chol_inverse(L, Ainv):
+    """A^{-1} from the Cholesky factor L of A (A = L L^T)."""
+    n = L.shape[0]
+    Linv = np.zeros((n, n))
+    for i in range(n):
+        Linv[i, i] = 1.0 / L[i, i]
+        for j in range(i):
+            s = 0.0
+            for k in range(j, i):
+                s -= L[i, k] * Linv[k, j]
+            Linv[i, j] = s / L[i, i]
+    for i in range(n):
+        for j in range(n):
+            s = 0.0
+            for k in range(max(i, j), n):
+                s += Linv[k, i] * Linv[k, j]
+            Ainv[i, j] = s
+
+
+@njit(cache=True)
+def h_from_y(y, beta, h):
+    """Inverse output map of the last attention layer: y = sigma(beta h h^T) -> h (up to sign).
+
+    softmax: log y_ab = beta G_ab - c_a with G = h h^T. With l_ab = log y_ab - log y_aa,
+    G = t + N where N_ab = (l_0a - l_a0)/beta + l_ab/beta (symmetrised) and t = h_0^2 solves
+    the rank-one condition G_ab^2 = G_aa G_bb, linear in t:
+    t = (N_ab^2 - N_aa N_bb) / D_ab with D_ab = (h_a - h_b)^2 = -(l_ab + l_ba)/beta
+    (least squares over all pairs). linear: G = y / beta.
+    Returns a STATUS code; h is filled with the root whose largest entry is positive.
+    """
+    n = y.shape[0]
+    G = np.empty((n, n))
+    if LAST_ACTIVATION == "linear":
+        for a in range(n):
+            for b in range(n):
+                G[a, b] = 0.5 * (y[a, b] + y[b, a]) / beta
+    else:
+        ly = np.empty((n, n))
+        for a in range(n):
+            for b in range(n):
+                if not (y[a, b] > 0.0):
+                    return STATUS_OFF_MANIFOLD
+                ly[a, b] = math.log(y[a, b])
+        N = np.empty((n, n))
+        for a in range(n):
+            da = ((ly[0, a] - ly[0, 0]) - (ly[a, 0] - ly[a, a])) / beta
+            for b in range(n):
+                N[a, b] = da + (ly[a, b] - ly[a, a]) / beta
+        num = 0.0
+        den = 0.0
+        for a in range(n):
+            for b in range(a + 1, n):
+                nab = 0.5 * (N[a, b] + N[b, a])
+                D = -((ly[a, b] - ly[a, a]) + (ly[b, a] - ly[b, b])) / beta
+                num += D * (nab * nab - N[a, a] * N[b, b])
+                den += D * D
+        if not (den > 0.0):
+            return STATUS_OFF_MANIFOLD  # all h_a equal: y is uniform and h is not identifiable
+        t = num / den
+        for a in range(n):
+            for b in range(n):
+                G[a, b] = t + 0.5 * (N[a, b] + N[b, a])
+    astar = 0
+    for a in range(n):
+        if G[a, a] > G[astar, astar]:
+            astar = a
+    if not (G[astar, astar] > 0.0):
+        return STATUS_OFF_MANIFOLD
+    ha = math.sqrt(G[astar, astar])
+    for b in range(n):
+        h[b] = G[astar, b] / ha
+    # the reconstruction must reproduce y (otherwise y is off the model's output manifold)
+    worst = 0.0
+    for a in range(n):
+        if LAST_ACTIVATION == "linear":
+            for b in range(n):
+                worst = max(worst, abs(beta * h[a] * h[b] - y[a, b]) / (1.0 + abs(y[a, b])))
+        else:
+            m = -math.inf
+            for b in range(n):
+                m = max(m, beta * h[a] * h[b])
+            s = 0.0
+            for b in range(n):
+                s += math.exp(beta * h[a] * h[b] - m)
+            for b in range(n):
+                lhat = beta * h[a] * h[b] - m - math.log(s)
+                worst = max(worst, abs(lhat - math.log(y[a, b])) / (1.0 + abs(lhat)))
+    if not (worst < 1e-6):
+        return STATUS_OFF_MANIFOLD
+    return STATUS_OK
+
+
+@njit(cache=True)
+def _log_prior(z, omega, Vinv, logdet_V):
+    """sum_t log N(z_t; omega_t, V)."""
+    p = z.shape[0]
+    acc = 0.0
+    for t in range(z.shape[1]):
+        for k in range(p):
+            dk = z[k, t] - omega[k, t]
+            s = 0.0
+            for j in range(p):
+                s += Vinv[k, j] * (z[j, t] - omega[j, t])
+            acc += dk * s
+    return -0.5 * acc - 0.5 * z.shape[1] * (logdet_V + p * math.log(2.0 * math.pi))
+
+
+@njit(cache=True)
+def denoise_one(obs, omega, V, params, nodes, log_w, n_adapt, inflate, g_out, dg_out, extra):
+    """One sample. nodes (Nn, D) standard-normal rule, log_w (Nn) its log weights.
+
+    Fills g_out (P, T), dg_out (P, T, P, T); extra[0] = log Z_out, extra[1] = effective number
+    of nodes of the final pass (a resolution diagnostic). Returns a STATUS code.
+    """
+    p = P
+    nt = T
+    D = len(FREE)
+    pt = p * nt
+    Lv = np.empty((p, p))
+    if not _cholesky(V, Lv):
+        return STATUS_BAD_V
+    Vinv = np.empty((p, p))
+    _chol_inverse(Lv, Vinv)
+    logdet_V = 0.0
+    for k in range(p):
+        logdet_V += 2.0 * math.log(Lv[k, k])
+    # proposal per branch: mean m (D), Cholesky factor Lb (D, D); start at the prior marginal
+    m = np.empty((N_BRANCHES, D))
+    Lb = np.zeros((N_BRANCHES, D, D))
+    C0 = np.empty((D, D))
+    for i in range(D):
+        ki, ti = FREE[i]
+        for j in range(D):
+            kj, tj = FREE[j]
+            C0[i, j] = V[ki, kj] if ti == tj else 0.0
+    L0 = np.empty((D, D))
+    if D > 0 and not _cholesky(C0, L0):
+        return STATUS_BAD_V
+    for b in range(N_BRANCHES):
+        for i in range(D):
+            m[b, i] = omega[FREE[i][0], FREE[i][1]]
+            for j in range(D):
+                Lb[b, i, j] = L0[i, j]
+    z = np.zeros((p, nt))
+    u = np.empty(D)
+    # branch accumulators (u moments, for adaptation) and global z moments
+    bmax = np.empty(N_BRANCHES)
+    bS0 = np.empty(N_BRANCHES)
+    bS1 = np.empty((N_BRANCHES, D))
+    bS2 = np.empty((N_BRANCHES, D, D))
+    S1 = np.empty(pt)
+    S2 = np.empty((pt, pt))
+    dz = np.empty(pt)
+    Cb = np.empty((D, D))
+    n_nodes = nodes.shape[0] if D > 0 else 1
+    gmax = -math.inf
+    S0 = 0.0
+    Sw2 = 0.0
+    for it in range(n_adapt + 1):
+        final = it == n_adapt
+        for b in range(N_BRANCHES):
+            bmax[b] = -math.inf
+            bS0[b] = 0.0
+            bS1[b, :] = 0.0
+            bS2[b, :, :] = 0.0
+        if final:
+            gmax = -math.inf
+            S0 = 0.0
+            Sw2 = 0.0
+            S1[:] = 0.0
+            S2[:, :] = 0.0
+        for b in range(N_BRANCHES):
+            logdet_L = 0.0
+            for i in range(D):
+                logdet_L += math.log(Lb[b, i, i])
+            for j in range(n_nodes):
+                xi2 = 0.0
+                for i in range(D):
+                    s = m[b, i]
+                    for k in range(i + 1):
+                        s += Lb[b, i, k] * nodes[j, k]
+                    u[i] = s
+                    xi2 += nodes[j, i] * nodes[j, i]
+                lj = branch(b, u, obs, params, z)
+                if not (lj > -math.inf):
+                    continue
+                lw = lj + _log_prior(z, omega, Vinv, logdet_V)
+                if D > 0:
+                    lw += log_w[j] + logdet_L + 0.5 * xi2 + 0.5 * D * math.log(2.0 * math.pi)
+                if lw != lw:
+                    return STATUS_NOT_FINITE
+                # branch u-moments (streamed log-sum-exp)
+                if lw > bmax[b]:
+                    sc = math.exp(bmax[b] - lw) if bmax[b] > -math.inf else 0.0
+                    bS0[b] *= sc
+                    for i in range(D):
+                        bS1[b, i] *= sc
+                        for k in range(D):
+                            bS2[b, i, k] *= sc
+                    bmax[b] = lw
+                w = math.exp(lw - bmax[b])
+                bS0[b] += w
+                for i in range(D):
+                    di = u[i] - m[b, i]
+                    bS1[b, i] += w * di
+                    for k in range(i + 1):
+                        bS2[b, i, k] += w * di * (u[k] - m[b, k])
+                if final:
+                    if lw > gmax:
+                        sc = math.exp(gmax - lw) if gmax > -math.inf else 0.0
+                        S0 *= sc
+                        Sw2 *= sc * sc
+                        for i in range(pt):
+                            S1[i] *= sc
+                            for k in range(pt):
+                                S2[i, k] *= sc
+                        gmax = lw
+                    w = math.exp(lw - gmax)
+                    S0 += w
+                    Sw2 += w * w
+                    for kk in range(p):
+                        for tt in range(nt):
+                            dz[kk * nt + tt] = z[kk, tt] - omega[kk, tt]
+                    for i in range(pt):
+                        S1[i] += w * dz[i]
+                        for k in range(i + 1):
+                            S2[i, k] += w * dz[i] * dz[k]
+        if not final:
+            # re-centre each branch's rule on its posterior mean and covariance
+            for b in range(N_BRANCHES):
+                if not (bS0[b] > 0.0):
+                    continue
+                for i in range(D):
+                    bS1[b, i] /= bS0[b]
+                for i in range(D):
+                    for k in range(i + 1):
+                        c = inflate * (bS2[b, i, k] / bS0[b] - bS1[b, i] * bS1[b, k])
+                        Cb[i, k] = c
+                        Cb[k, i] = c
+                for i in range(D):
+                    m[b, i] += bS1[b, i]
+                for i in range(D):  # keep the rule non-degenerate
+                    Cb[i, i] += 1e-13 * (1.0 + C0[i, i])
+                L1 = np.empty((D, D))
+                if _cholesky(Cb, L1):
+                    for i in range(D):
+                        for k in range(D):
+                            Lb[b, i, k] = L1[i, k]
+    if not (S0 > 0.0):
+        return STATUS_ZERO_LIKELIHOOD
+    extra[0] = gmax + math.log(S0)
+    extra[1] = S0 * S0 / Sw2
+    # posterior moments of z - omega -> g_out, dg_out
+    mean = np.empty(pt)
+    for i in range(pt):
+        mean[i] = S1[i] / S0
+    cov = np.empty((pt, pt))
+    for i in range(pt):
+        for k in range(i + 1):
+            c = S2[i, k] / S0 - mean[i] * mean[k]
+            cov[i, k] = c
+            cov[k, i] = c
+    for tt in range(nt):
+        for kk in range(p):
+            s = 0.0
+            for j in range(p):
+                s += Vinv[kk, j] * mean[j * nt + tt]
+            g_out[kk, tt] = s
+    for tt in range(nt):
+        for ss in range(nt):
+            for kk in range(p):
+                for k2 in range(p):
+                    s = 0.0
+                    for a in range(p):
+                        for c in range(p):
+                            s += Vinv[kk, a] * cov[a * nt + tt, c * nt + ss] * Vinv[c, k2]
+                    if tt == ss:
+                        s -= Vinv[kk, k2]
+                    dg_out[kk, tt, k2, ss] = s
+    return STATUS_OK
+
+
+@njit(cache=True, parallel=True)
+def denoise_batch(obs, omega, V, params, nodes, log_w, n_adapt, inflate, g_out, dg_out, extra, status):
+    """Batch over the leading axis; V has leading size 1 (shared) or N."""
+    n = omega.shape[0]
+    shared = V.shape[0] == 1
+    for i in prange(n):
+        Vi = V[0] if shared else V[i]
+        status[i] = denoise_one(obs[i], omega[i], Vi, params, nodes, log_w, n_adapt, inflate,
+                                g_out[i], dg_out[i], extra[i])
+
+
+@njit(cache=True, parallel=True)
+def observe_batch(y, params, obs, status):
+    """Observed reduced quantity per sample: h from y (attention) or y itself (flattened)."""
+    n = y.shape[0]
+    beta = last_beta(params)
+    for i in prange(n):
+        if OBS_KIND == "h":
+            status[i] = h_from_y(y[i], beta, obs[i])
+        else:
+            k = 0
+            for a in range(y.shape[1]):
+                for b in range(y.shape[2]):
+                    obs[i, k] = y[i, a, b]
+                    k += 1
+            status[i] = STATUS_OK
+
+
+@njit(cache=True, parallel=True)
+def link_batch(Z, params, out):
+    for i in prange(Z.shape[0]):
+        link(Z[i], params, out[i])

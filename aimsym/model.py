@@ -1,0 +1,162 @@
+"""A loaded model: symbolic spec + bound parameter values + its generated kernels.
+
+The generated kernels are built from the *symbolic* spec (parameters such as ``skip`` stay
+symbols), so one compiled module serves every value; values are passed at run time.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import spec as spec_mod
+from .errors import SpecError
+from .spec import AttentionSpec, Spec
+
+
+@dataclass(frozen=True)
+class Model:
+    spec: Spec
+    values: tuple[tuple[str, float], ...] = field(default=())
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def p(self) -> int:
+        return self.spec.p
+
+    @property
+    def tokens(self) -> int:
+        return self.spec.tokens
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return tuple(self.spec.output_shape)
+
+    @property
+    def parameters(self) -> dict[str, float]:
+        return dict(self.values)
+
+    def hash(self) -> str:
+        """Spec hash plus the bound values (what a result depends on)."""
+        vals = ",".join(f"{k}={v!r}" for k, v in self.values)
+        return f"{self.spec.hash()}[{vals}]" if vals else self.spec.hash()
+
+    def with_values(self, **values) -> "Model":
+        merged = dict(self.values)
+        merged.update(_resolve(self.spec, values))
+        return Model(self.spec, tuple(sorted(merged.items())))
+
+    # ------------------------------------------------------------------ stages
+    @functools.cached_property
+    def derivation(self):
+        from .symbolic import derive
+
+        return derive(self.spec)
+
+    @functools.cached_property
+    def kernels(self):
+        from .codegen import load_kernels
+
+        return load_kernels(self.spec)
+
+    def params_array(self) -> np.ndarray:
+        names = self.spec.parameters()
+        missing = [n for n in names if n not in dict(self.values)]
+        if missing:
+            raise SpecError(missing[0], f"symbolic parameter needs a value (e.g. --set {missing[0]}=1.0 or "
+                                        f"aimsym.load(..., {missing[0]}=1.0))")
+        vals = dict(self.values)
+        return np.array([vals[n] for n in names], dtype=float)
+
+    @property
+    def noise(self) -> float:
+        nz = self.spec.noise
+        return dict(self.values)[nz] if isinstance(nz, str) else float(nz)
+
+    def link(self, Z) -> np.ndarray:
+        """y = g(Z) for Z of shape (..., p, T), by the generated kernel."""
+        Z = np.asarray(Z, dtype=float)
+        if Z.shape[-2:] != (self.p, self.tokens):
+            raise SpecError("Z", f"expected shape (..., {self.p}, {self.tokens}), got {Z.shape}")
+        batch = Z.shape[:-2]
+        flat = np.ascontiguousarray(Z.reshape(-1, self.p, self.tokens))
+        out = np.empty((flat.shape[0], *self.kernels.LINK_SHAPE))
+        self.kernels.link_batch(flat, self.params_array(), out)
+        return out.reshape(*batch, *self.output_shape)
+
+    def link_jacobian(self, Z) -> np.ndarray:
+        Z = np.ascontiguousarray(np.asarray(Z, dtype=float))
+        out = np.zeros((*self.kernels.LINK_SHAPE, self.p, self.tokens))
+        self.kernels.link_jacobian(Z, self.params_array(), out)
+        return out.reshape(*self.output_shape, self.p, self.tokens)
+
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """Draw n (Z, y) pairs from the prior (Z entries i.i.d. N(0, 1)) and the channel."""
+        Z = rng.standard_normal((n, self.p, self.tokens))
+        y = self.link(Z)
+        if self.noise > 0:
+            y = y + np.sqrt(self.noise) * rng.standard_normal(y.shape)
+        return Z, y
+
+    def denoiser(self, **accuracy):
+        from .channel import Denoiser
+
+        return Denoiser(self, **accuracy)
+
+    def summary(self) -> dict:
+        s = self.derivation.summary()
+        s["values"] = dict(self.values)
+        return s
+
+
+def _resolve(spec: Spec, values: dict) -> dict[str, float]:
+    """Map user keys (parameter names, or the field names skip/beta/noise) to parameters."""
+    names = set(spec.parameters())
+    fields: dict[str, set[str]] = {"skip": set(), "beta": set(), "noise": set()}
+    if isinstance(spec, AttentionSpec):
+        for layer in spec.layers:
+            if isinstance(layer.skip, str):
+                fields["skip"].add(layer.skip)
+            if isinstance(layer.beta, str):
+                fields["beta"].add(layer.beta)
+    if isinstance(spec.noise, str):
+        fields["noise"].add(spec.noise)
+    out: dict[str, float] = {}
+    for key, val in values.items():
+        try:
+            v = float(val)
+        except (TypeError, ValueError):
+            raise SpecError(key, f"expected a number, got {val!r}") from None
+        if not np.isfinite(v):
+            raise SpecError(key, f"must be finite, got {val!r}")
+        if key in names:
+            out[key] = v
+        elif key in fields and fields[key]:
+            for n in fields[key]:
+                out[n] = v
+        else:
+            allowed = sorted(names | {k for k, s in fields.items() if s})
+            raise SpecError(key, "not a symbolic parameter of this model; "
+                                 f"allowed: {', '.join(allowed) if allowed else '(none: the model has no symbols)'}")
+    return out
+
+
+def load(source, **values) -> Model:
+    """``source``: a path to a TOML file, a TOML string, or a spec."""
+    if isinstance(source, AttentionSpec | spec_mod.SMISpec):
+        spec = source
+    elif isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith(".toml")):
+        spec = spec_mod.load(source)
+    elif isinstance(source, str):
+        spec = spec_mod.loads(source)
+    else:
+        raise SpecError("model", f"expected a TOML path, TOML text or a spec, got {type(source).__name__}")
+    model = Model(spec)
+    return model.with_values(**values) if values else model

@@ -1,0 +1,418 @@
+"""Symbolic stage: from a spec to the SMI link g(Z), its Jacobian, symmetries and the
+exact reduction of the denoiser integral (theory sections 2 and 3).
+
+Everything downstream (LaTeX, generated kernels) is printed from the objects built here,
+so the formulas in the documents are the ones the code runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+import sympy as sp
+
+from .errors import SpecError
+from .parse import index_symbol, parse_link
+from .spec import AttentionSpec, SMISpec, Spec
+
+
+@dataclass(frozen=True)
+class IndexLabel:
+    """What row k of Z is: layer l (1-based), head, role ('w' tied, 'q'/'k' untied), rank i."""
+
+    layer: int
+    head: int
+    role: str
+    rank: int
+
+    def latex(self) -> str:
+        sup = f"{self.layer}" if self.head == 0 else f"{self.layer},{self.head + 1}"
+        role = "" if self.role == "w" else f"{self.role.upper()},"
+        return f"z^{{({role}{sup})}}_{{{self.rank + 1}}}"
+
+
+@dataclass
+class Reduction:
+    """Exact reduction of the denoiser integral (theory section 3).
+
+    Given the observed quantity ``obs`` (``h`` for attention models: y determines h up to a
+    global sign; ``y`` itself for free-form links), the ``solved`` entries of Z are explicit
+    functions of the ``free`` entries on each branch; the reduced posterior weight on a
+    branch is ``prod_t N(z_t; omega_t, V) * jacobian``.
+    """
+
+    kind: str  # "attention-rank1" or "solve"
+    free: list[tuple[int, int]]  # (k, t) entries of Z integrated over (u)
+    solved: list[tuple[int, int]]  # (k, t) entries determined by the branch
+    obs: list[sp.Symbol]  # observed reduced quantity (h_t or y entries)
+    branches: list[list[sp.Expr]]  # per branch: expressions of the solved entries
+    log_jacobian: list[sp.Expr]  # per branch: log of the weight factor (e.g. -log|det M|)
+    mixing: sp.Matrix | None = None  # M_{L-1}(u) for attention models
+    det_mixing: sp.Expr | None = None
+    activation: str = ""
+    beta: sp.Expr | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def integral_dim(self) -> int:
+        return len(self.free)
+
+
+@dataclass
+class Derivation:
+    spec: Spec
+    Z: sp.Matrix  # p x T index symbols
+    link: sp.Matrix  # output (matrix; a scalar link is 1 x 1)
+    params: tuple[sp.Symbol, ...]
+    labels: list[IndexLabel]
+    symmetries: list[dict]
+    reduction: Reduction | None
+    reduction_reason: str
+    output_shape: tuple[int, ...]
+
+    @property
+    def p(self) -> int:
+        return self.Z.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        return self.Z.shape[1]
+
+    @functools.cached_property
+    def jacobian(self) -> sp.Array:
+        """dg/dZ as an array of shape output_shape + (p, T)."""
+        flat = list(self.link)
+        zs = list(self.Z)
+        J = [[sp.diff(g, z) for z in zs] for g in flat]
+        return sp.Array(J).reshape(*self.link.shape, self.p, self.tokens)
+
+    @functools.cached_property
+    def numeric_link(self):
+        """numpy function ``f(Z, params) -> y`` lambdified from the SymPy link (with cse)."""
+        return _lambdify(self)
+
+    def summary(self) -> dict:
+        red = self.reduction
+        return {
+            "name": self.spec.name,
+            "kind": self.spec.kind,
+            "spec_hash": self.spec.hash(),
+            "indices": self.p,
+            "tokens": self.tokens,
+            "output_shape": list(self.output_shape),
+            "parameters": [str(s) for s in self.params],
+            "index_labels": [_label_text(lb) for lb in self.labels],
+            "symmetries": self.symmetries,
+            "reduction": {
+                "found": red is not None,
+                "integral_dim": red.integral_dim if red else None,
+                "kind": red.kind if red else None,
+                "branches": len(red.branches) if red else None,
+                "reason": self.reduction_reason,
+                "notes": red.notes if red else [],
+            },
+            "denoiser_path": "exact" if red is not None else "generic (noisy channel, Delta > 0)",
+        }
+
+
+def _label_text(lb: IndexLabel) -> str:
+    role = {"w": "W", "q": "W_Q", "k": "W_K"}[lb.role]
+    head = f", head {lb.head + 1}" if lb.head else ""
+    return f"layer {lb.layer}{head}: {role} column {lb.rank + 1}"
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def index_matrix(p: int, T: int) -> sp.Matrix:
+    return sp.Matrix(p, T, lambda k, t: index_symbol(k, t))
+
+
+def param_symbol(v) -> sp.Expr:
+    if isinstance(v, str):
+        return sp.Symbol(v, real=True)
+    f = float(v)
+    r = sp.nsimplify(f, rational=True)
+    return r if float(r) == f else sp.Float(f)
+
+
+def softmax_rows(A: sp.Matrix) -> sp.Matrix:
+    """Row softmax written as 1 / sum_c exp(a_c - a_b): no overflow in the numerator."""
+    n, m = A.shape
+    return sp.Matrix(n, m, lambda a, b: 1 / sp.Add(*[sp.exp(A[a, c] - A[a, b]) if c != b else 1 for c in range(m)]))
+
+
+def hardmax_rows(A: sp.Matrix) -> sp.Matrix:
+    """Row argmax indicator (ties have probability zero under Gaussian indices)."""
+    n, m = A.shape
+    H = lambda x: sp.Heaviside(x, sp.Rational(1, 2))  # noqa: E731
+    return sp.Matrix(n, m, lambda a, b: sp.Mul(*[H(A[a, b] - A[a, c]) for c in range(m) if c != b]))
+
+
+def activate(name: str, A: sp.Matrix) -> sp.Matrix:
+    if name == "softmax":
+        return softmax_rows(A)
+    if name == "hardmax":
+        return hardmax_rows(A)
+    return A
+
+
+def layout(spec: AttentionSpec) -> list[IndexLabel]:
+    labels = []
+    for l, layer in enumerate(spec.layers, start=1):
+        for h in range(layer.heads):
+            roles = ("w",) if layer.tied else ("q", "k")
+            for role in roles:
+                labels += [IndexLabel(l, h, role, i) for i in range(layer.rank)]
+    return labels
+
+
+def attention_forward(spec: AttentionSpec, Z: sp.Matrix, stop_before_last: bool = False):
+    """Mixing products of theory section 2 on the index matrix Z.
+
+    Returns (S_L, M_{L-1}, M_L); with ``stop_before_last`` only M_{L-1} is meaningful.
+    """
+    T = spec.tokens
+    labels = layout(spec)
+    rows: dict[tuple[int, int, str], list[int]] = {}
+    for k, lb in enumerate(labels):
+        rows.setdefault((lb.layer, lb.head, lb.role), []).append(k)
+    M = sp.eye(T)
+    M_prev = M
+    S_total = None
+    for l, layer in enumerate(spec.layers, start=1):
+        M_prev = M
+        if stop_before_last and l == len(spec.layers):
+            break
+        beta = param_symbol(layer.beta)
+        S_total = sp.zeros(T, T)
+        for h, a in enumerate(layer.head_weights()):
+            zq = Z.extract(rows[(l, h, "w" if layer.tied else "q")], list(range(T)))
+            zk = zq if layer.tied else Z.extract(rows[(l, h, "k")], list(range(T)))
+            q = M * zq.T  # T x r: queries of the current tokens, in index form
+            k = q if layer.tied else M * zk.T
+            S_total += param_symbol(a) * activate(layer.activation, beta * (q * k.T))
+        M = param_symbol(layer.skip) * sp.eye(T) + S_total
+    return S_total, M_prev, M
+
+
+def derive(spec: Spec) -> Derivation:
+    """Symbolic derivation of a spec (cached on the spec, which is frozen and hashable)."""
+    return _derive(spec)
+
+
+@functools.lru_cache(maxsize=64)
+def _derive(spec: Spec) -> Derivation:
+    if isinstance(spec, AttentionSpec):
+        p, T = spec.p, spec.tokens
+        Z = index_matrix(p, T)
+        S_L, _, M_L = attention_forward(spec, Z)
+        link = S_L if spec.output == "attention" else M_L
+        labels = layout(spec)
+        reduction, reason = _attention_reduction(spec, Z)
+    else:
+        p, T = spec.indices, spec.tokens
+        Z = index_matrix(p, T)
+        g = parse_link(spec)
+        link = g if isinstance(g, sp.MatrixBase) else sp.Matrix([[g]])
+        if link.shape[1] == 1 and len(spec.output_shape) == 1:
+            link = link.T
+        labels = [IndexLabel(1, 0, "w", k) for k in range(p)]
+        reduction, reason = _solve_reduction(spec, Z, link)
+    params = tuple(sp.Symbol(n, real=True) for n in spec.parameters())
+    d = Derivation(
+        spec=spec,
+        Z=Z,
+        link=sp.Matrix(link),
+        params=params,
+        labels=labels,
+        symmetries=[],
+        reduction=reduction,
+        reduction_reason=reason,
+        output_shape=spec.output_shape,
+    )
+    d.symmetries = detect_symmetries(d)
+    return d
+
+
+# ----------------------------------------------------------------------------- reduction
+
+
+def _attention_reduction(spec: AttentionSpec, Z: sp.Matrix):
+    last = spec.layers[-1]
+    why = []
+    if spec.output != "attention":
+        why.append("output = 'tokens' (the reduction inverts the last attention matrix)")
+    if last.rank != 1:
+        why.append(f"last layer rank {last.rank} (needs rank 1)")
+    if last.heads != 1:
+        why.append(f"last layer has {last.heads} heads (needs 1)")
+    if not last.tied:
+        why.append("last layer untied (needs tied query/key)")
+    if last.activation not in ("softmax", "linear"):
+        why.append(f"last activation {last.activation} (needs softmax or linear; hardmax gives region constraints)")
+    if why:
+        return None, "no exact reduction: " + "; ".join(why)
+    T = spec.tokens
+    p = spec.p
+    _, M_prev, _ = attention_forward(spec, Z, stop_before_last=True)
+    h = [sp.Symbol(f"h_{t}", real=True) for t in range(T)]
+    hv = sp.Matrix(h)
+    free = [(k, t) for k in range(p - 1) for t in range(T)]
+    solved = [(p - 1, t) for t in range(T)]
+    notes = []
+    if len(spec.layers) == 1:
+        det = sp.Integer(1)
+        branches = [list(hv), list(-hv)]
+    else:
+        det, adj = det_adjugate(M_prev)
+        zl = adj * hv / det
+        branches = [list(zl), [-e for e in zl]]
+        prev = spec.layers[:-1]
+        if any(ly.activation == "hardmax" for ly in prev) or any(not ly.tied for ly in prev):
+            notes.append("det M_{L-1} may vanish for hardmax or untied earlier layers; "
+                         "points with det M_{L-1} = 0 have zero weight")
+        if any(isinstance(ly.skip, float) and ly.skip <= 0 for ly in prev):
+            notes.append("skip <= 0: M_{L-1} can be singular")
+    logj = [-sp.log(sp.Abs(det))] * 2
+    red = Reduction(
+        kind="attention-rank1",
+        free=free,
+        solved=solved,
+        obs=h,
+        branches=branches,
+        log_jacobian=logj,
+        mixing=M_prev,
+        det_mixing=det,
+        activation=last.activation,
+        beta=param_symbol(last.beta),
+        notes=notes,
+    )
+    return red, "y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly"
+
+
+def _solve_reduction(spec: SMISpec, Z: sp.Matrix, link: sp.Matrix):
+    """Invert y = g(Z) for one index per output entry with SymPy's solver, if possible."""
+    if spec.noise != 0.0:
+        return None, "noisy channel (noise > 0): integrated over all of Z"
+    outs = list(link)
+    zs = list(Z)
+    if any(g.has(sp.sign, sp.Heaviside) or sp.diff(g, z) == 0 and g.has(z) for g in outs for z in zs):
+        return None, "piecewise-constant link (region constraint): no point inversion"
+    if len(outs) != 1:
+        return None, "no exact reduction: free-form links are inverted for a scalar output only"
+    g = outs[0]
+    y = sp.Symbol("y_0", positive=True) if _nonneg(g) else sp.Symbol("y_0", real=True)
+    # try the variables in reverse order so that the solved index is the last one it uses
+    for z in reversed([z for z in zs if g.has(z)]):
+        try:
+            sols = sp.solve(sp.Eq(g, y), z, dict=False)
+        except (NotImplementedError, ValueError, TypeError):
+            continue
+        sols = [s for s in sols if s.is_real is not False and not s.has(sp.I)]
+        if not sols or any(s.has(z) for s in sols):
+            continue
+        dg = sp.diff(g, z)
+        k_t = divmod(zs.index(z), Z.shape[1])
+        free = [divmod(i, Z.shape[1]) for i, zz in enumerate(zs) if zz is not z]
+        logj = [-sp.log(sp.Abs(dg.subs(z, s))) for s in sols]
+        red = Reduction(kind="solve", free=free, solved=[k_t], obs=[y],
+                        branches=[[s] for s in sols], log_jacobian=logj)
+        return red, f"solved y = g(Z) for {z} ({len(sols)} branch{'es' if len(sols) > 1 else ''})"
+    return None, "no exact reduction: SymPy found no explicit inverse for any single index"
+
+
+def det_adjugate(M: sp.Matrix) -> tuple[sp.Expr, sp.Matrix]:
+    """Determinant and adjugate by cofactor expansion, without simplification (SymPy's
+    Berkowitz/Bareiss try to cancel terms of large entries and are slow for T <= 4)."""
+    n = M.shape[0]
+
+    def det(A: sp.Matrix) -> sp.Expr:
+        m = A.shape[0]
+        if m == 1:
+            return A[0, 0]
+        if m == 2:
+            return A[0, 0] * A[1, 1] - A[0, 1] * A[1, 0]
+        return sp.Add(*[(-1) ** j * A[0, j] * det(_minor(A, 0, j)) for j in range(m)])
+
+    if n == 1:
+        return M[0, 0], sp.Matrix([[1]])
+    adj = sp.Matrix(n, n, lambda i, j: (-1) ** (i + j) * det(_minor(M, j, i)))
+    d = sp.Add(*[M[0, j] * adj[j, 0] for j in range(n)])
+    return d, adj
+
+
+def _minor(A: sp.Matrix, i: int, j: int) -> sp.Matrix:
+    rows = [r for r in range(A.shape[0]) if r != i]
+    cols = [c for c in range(A.shape[1]) if c != j]
+    return A.extract(rows, cols)
+
+
+def _nonneg(g: sp.Expr) -> bool:
+    return bool(g.is_nonnegative)
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def _lambdify(d: Derivation):
+    args = [list(d.Z), list(d.params)]
+    f = sp.lambdify(args, d.link, modules=[{"Heaviside": _np_heaviside}, "numpy"], cse=True)
+
+    def link(Zv, params=()):
+        Zv = np.asarray(Zv, dtype=float)
+        out = f(list(Zv.reshape(-1)), list(params))
+        return np.asarray(out, dtype=float).reshape(d.link.shape)
+
+    return link
+
+
+def _np_heaviside(x, h0=0.5):
+    return np.heaviside(x, h0)
+
+
+def detect_symmetries(d: Derivation, n_points: int = 6, seed: int = 12345) -> list[dict]:
+    """Sign flips of index groups that leave g invariant, verified at random points.
+
+    Candidates: every layer's indices (tied: z_l -> -z_l; untied: both Q and K), every head,
+    and every single index for free-form links. A candidate is kept if g agrees to 1e-9 at
+    ``n_points`` random Z (parameters drawn positive).
+    """
+    rng = np.random.default_rng(seed)
+    spec = d.spec
+    cands: list[tuple[str, list[int]]] = []
+    if isinstance(spec, AttentionSpec):
+        for l in range(1, len(spec.layers) + 1):
+            rows = [k for k, lb in enumerate(d.labels) if lb.layer == l]
+            cands.append((f"layer {l}: z_{l} -> -z_{l}", rows))
+            if spec.layers[l - 1].heads > 1:
+                for h in range(spec.layers[l - 1].heads):
+                    rows_h = [k for k, lb in enumerate(d.labels) if lb.layer == l and lb.head == h]
+                    cands.append((f"layer {l} head {h + 1}: sign flip", rows_h))
+    else:
+        for k in range(d.p):
+            cands.append((f"z[{k}, :] -> -z[{k}, :]", [k]))
+    cands.append(("Z -> -Z", list(range(d.p))))
+    f = d.numeric_link
+    found = []
+    pts = [rng.normal(size=(d.p, d.tokens)) for _ in range(n_points)]
+    prm = [rng.uniform(0.5, 2.0, size=len(d.params)) for _ in range(n_points)]
+    base = [f(Zv, pv) for Zv, pv in zip(pts, prm)]
+    for name, rows in cands:
+        ok = True
+        for Zv, pv, y0 in zip(pts, prm, base):
+            Zf = Zv.copy()
+            Zf[rows] *= -1
+            if not np.allclose(f(Zf, pv), y0, rtol=1e-9, atol=1e-12):
+                ok = False
+                break
+        if ok:
+            found.append({"name": name, "rows": rows})
+    return found
+
+
+def check_spec(spec: Spec) -> None:
+    if not isinstance(spec, AttentionSpec | SMISpec):
+        raise SpecError("model", f"expected an AttentionSpec or SMISpec, got {type(spec).__name__}")
