@@ -12,7 +12,8 @@ Normalisation of ``log_z_out``. With normalised Gaussians N(z_t; omega_t, V):
 
 Accuracy. The integral over the free entries u is a tensor Gauss-Hermite rule with ``nodes``
 points per dimension, started on the prior marginal of u and re-centred ``adapt`` times on
-each branch's posterior mean and covariance. ``error=True`` repeats the final pass with a
+each branch's posterior mean and covariance (the adaptation passes use a rule with half as
+many points per dimension). ``error=True`` repeats the final pass with a
 smaller rule (``nodes - nodes // 4`` per dimension) and reports the largest difference of
 g_out and dg_out as ``error``.
 """
@@ -69,7 +70,7 @@ class Denoiser:
     ``den(y, omega, V)`` with y (..., *output_shape), omega (..., p, T), V (p, p) or (..., p, p).
     """
 
-    def __init__(self, model, *, nodes: int | None = None, adapt: int = 2, inflate: float = 1.0):
+    def __init__(self, model, *, nodes: int | None = None, adapt: int = 1, inflate: float = 1.0):
         self.model = model
         self.kernels = model.kernels
         self.params = model.params_array()
@@ -91,6 +92,8 @@ class Denoiser:
         self.adapt = int(adapt)
         self.inflate = float(inflate)
         self._rule = gauss_hermite_rule(self.dim, self.nodes)
+        # the adaptation passes only need the posterior's mean and covariance: a coarser rule
+        self._rule_coarse = gauss_hermite_rule(self.dim, max(6, self.nodes // 2))
         self._rule_small = None
 
     @property
@@ -171,7 +174,8 @@ class Denoiser:
         extra = np.empty((n, 2))
         status = np.empty(n, dtype=np.int64)
         nodes, lw = rule
-        self.kernels.denoise_batch(obs, omega, V, self.params, nodes, lw, self.adapt, self.inflate,
+        nc, lwc = self._rule_coarse
+        self.kernels.denoise_batch(obs, omega, V, self.params, nodes, lw, nc, lwc, self.adapt, self.inflate,
                                    g, dg, extra, status)
         self._raise(status)
         return g, dg, extra

@@ -37,6 +37,9 @@ class _Printer(PythonCodePrinter):
     def _print_sign(self, expr):
         return f"_sign({self._print(expr.args[0])})"
 
+    def _print_DiracDelta(self, expr):
+        return "0.0"  # derivative of a step: zero almost everywhere
+
     def _print_Symbol(self, expr):
         return expr.name
 

@@ -160,8 +160,9 @@ def _log_prior(z, omega, Vinv, logdet_V):
 
 
 @njit(cache=True)
-def denoise_one(obs, omega, V, params, nodes, log_w, n_adapt, inflate, g_out, dg_out, extra):
-    """One sample. nodes (Nn, D) standard-normal rule, log_w (Nn) its log weights.
+def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate, g_out, dg_out, extra):
+    """One sample. nodes (Nn, D) standard-normal rule, log_w (Nn) its log weights (final
+    pass); nodes_c, log_w_c a coarser rule for the adaptation passes.
 
     Fills g_out (P, T), dg_out (P, T, P, T); extra[0] = log Z_out, extra[1] = effective number
     of nodes of the final pass (a resolution diagnostic). Returns a STATUS code.
@@ -206,12 +207,14 @@ def denoise_one(obs, omega, V, params, nodes, log_w, n_adapt, inflate, g_out, dg
     S2 = np.empty((pt, pt))
     dz = np.empty(pt)
     Cb = np.empty((D, D))
-    n_nodes = nodes.shape[0] if D > 0 else 1
     gmax = -math.inf
     S0 = 0.0
     Sw2 = 0.0
     for it in range(n_adapt + 1):
         final = it == n_adapt
+        rule = nodes if final else nodes_c
+        rule_w = log_w if final else log_w_c
+        n_nodes = rule.shape[0] if D > 0 else 1
         for b in range(N_BRANCHES):
             bmax[b] = -math.inf
             bS0[b] = 0.0
@@ -232,15 +235,15 @@ def denoise_one(obs, omega, V, params, nodes, log_w, n_adapt, inflate, g_out, dg
                 for i in range(D):
                     s = m[b, i]
                     for k in range(i + 1):
-                        s += Lb[b, i, k] * nodes[j, k]
+                        s += Lb[b, i, k] * rule[j, k]
                     u[i] = s
-                    xi2 += nodes[j, i] * nodes[j, i]
+                    xi2 += rule[j, i] * rule[j, i]
                 lj = branch(b, u, obs, params, z)
                 if not (lj > -math.inf):
                     continue
                 lw = lj + _log_prior(z, omega, Vinv, logdet_V)
                 if D > 0:
-                    lw += log_w[j] + logdet_L + 0.5 * xi2 + 0.5 * D * math.log(2.0 * math.pi)
+                    lw += rule_w[j] + logdet_L + 0.5 * xi2 + 0.5 * D * math.log(2.0 * math.pi)
                 if lw != lw:
                     return STATUS_NOT_FINITE
                 # branch u-moments (streamed log-sum-exp)
@@ -335,13 +338,14 @@ def denoise_one(obs, omega, V, params, nodes, log_w, n_adapt, inflate, g_out, dg
 
 
 @njit(cache=True, parallel=True)
-def denoise_batch(obs, omega, V, params, nodes, log_w, n_adapt, inflate, g_out, dg_out, extra, status):
+def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate, g_out, dg_out,
+                  extra, status):
     """Batch over the leading axis; V has leading size 1 (shared) or N."""
     n = omega.shape[0]
     shared = V.shape[0] == 1
     for i in prange(n):
         Vi = V[0] if shared else V[i]
-        status[i] = denoise_one(obs[i], omega[i], Vi, params, nodes, log_w, n_adapt, inflate,
+        status[i] = denoise_one(obs[i], omega[i], Vi, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
                                 g_out[i], dg_out[i], extra[i])
 
 
@@ -366,3 +370,9 @@ def observe_batch(y, params, obs, status):
 def link_batch(Z, params, out):
     for i in prange(Z.shape[0]):
         link(Z[i], params, out[i])
+
+
+@njit(cache=True, parallel=True)
+def link_jacobian_batch(Z, params, out):
+    for i in prange(Z.shape[0]):
+        link_jacobian(Z[i], params, out[i])

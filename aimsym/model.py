@@ -92,10 +92,15 @@ class Model:
         return out.reshape(*batch, *self.output_shape)
 
     def link_jacobian(self, Z) -> np.ndarray:
-        Z = np.ascontiguousarray(np.asarray(Z, dtype=float))
-        out = np.zeros((*self.kernels.LINK_SHAPE, self.p, self.tokens))
-        self.kernels.link_jacobian(Z, self.params_array(), out)
-        return out.reshape(*self.output_shape, self.p, self.tokens)
+        """dy/dZ for Z of shape (..., p, T): shape (..., *output_shape, p, T)."""
+        Z = np.asarray(Z, dtype=float)
+        if Z.shape[-2:] != (self.p, self.tokens):
+            raise SpecError("Z", f"expected shape (..., {self.p}, {self.tokens}), got {Z.shape}")
+        batch = Z.shape[:-2]
+        flat = np.ascontiguousarray(Z.reshape(-1, self.p, self.tokens))
+        out = np.zeros((flat.shape[0], *self.kernels.LINK_SHAPE, self.p, self.tokens))
+        self.kernels.link_jacobian_batch(flat, self.params_array(), out)
+        return out.reshape(*batch, *self.output_shape, self.p, self.tokens)
 
     def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Draw n (Z, y) pairs from the prior (Z entries i.i.d. N(0, 1)) and the channel."""
