@@ -102,13 +102,14 @@ def rie_denoise(R, rho, Delta, with_variance=False):
     the exact divergence of the matrix map (eigenvalue and eigenvector terms):
     div = sum_i f'(lam_i) + sum_{i<j} (f_i - f_j)/(lam_i - lam_j),  V = 2 Delta div / d^2."""
     lam, O = np.linalg.eigh(R)
-    f = rie_map(lam, rho, Delta)
+    d = len(lam)
+    fmap = lambda x: rie_map(x, rho, Delta)  # noqa: E731
+    f = fmap(lam)
     S_hat = (O * f) @ O.T
     if not with_variance:
         return S_hat
-    d = len(lam)
     eps = 1e-6 * (1.0 + np.abs(lam))
-    fprime = (rie_map(lam + eps, rho, Delta) - rie_map(lam - eps, rho, Delta)) / (2 * eps)
+    fprime = (fmap(lam + eps) - fmap(lam - eps)) / (2 * eps)
     dl = lam[:, None] - lam[None, :]
     df = f[:, None] - f[None, :]
     iu = np.triu_indices(d, 1)
@@ -118,9 +119,17 @@ def rie_denoise(R, rho, Delta, with_variance=False):
     return S_hat, 2.0 * Delta * div / d**2
 
 
-def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=60, damping=0.3,
-        tol=1e-7, rho=None, variance="divergence", noise="empirical"):
-    """GAMP-RIE on ``data``. Returns a dict with the per-iteration history and final errors."""
+def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=80, damping=0.5,
+        tol=1e-7, rho=None, variance="divergence", max_damping=0.95, noise_ratio_max=1.5):
+    """GAMP-RIE on ``data``. Returns a dict with the per-iteration history and final errors.
+
+    Damping mixes S_hat and V with their previous values. Safeguard (finite d): the noise power
+    of R, measured as Tr(R^2)/d - E Tr(S^2)/d with E Tr(S^2)/d = 1 + rho + 1/d, should match
+    Delta = d/(2A) up to O(1/d); rank-one sensing (x x^T) lets low-rank error modes grow at
+    finite d, so when the measured power exceeds ``noise_ratio_max`` Delta the step is rejected,
+    the last accepted state restored and the damping raised (1 - damping halves).
+    ``variance``: "divergence" (exact divergence of the RIE map) or "theory" (V = m(Delta)).
+    """
     if not 0.0 <= damping < 1.0:
         raise AimsymError("damping", f"must lie in [0, 1), got {damping}")
     ch = make_channel(activation, tokens, beta)
@@ -133,46 +142,64 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=6
     S_hat = np.sqrt(rho) * np.eye(d)
     V = Q0 - rho  # = m(inf) = 1
     g_prev = np.zeros((X.shape[0], len(w)))
-    history = []
+    last = None  # (S_before, V_before, g_before, S_proposed, V_proposed, g) of the last accepted step
+    history, rejected = [], 0
     t0 = time.perf_counter()
-    for it in range(1, iterations + 1):
+    it = 0
+    while it < iterations:
+        it += 1
         omega = to_vector(index_matrices(S_hat, X), T) - w * V * g_prev
         g, dg = ch.denoise(y, omega, V)
-        if not (np.all(np.isfinite(g)) and np.all(np.isfinite(dg))):
-            raise AimsymError("data", f"non-finite denoiser output at AMP iteration {it}")
-        A = -np.sum(dg * w) / d
-        if A <= 0:
-            raise AimsymError("data", f"non-positive AMP precision at iteration {it}")
-        R = S_hat + adjoint(X, g, T) / A
-        Delta = d / (2.0 * A)
-        if noise == "empirical":
-            # finite-d noise power of R exceeds d/(2A) by O(1/d) (rank-one sensing x x^T);
-            # measure it by the second moment, E Tr(S^2)/d = 1 + rho + 1/d for the Wishart prior
-            Delta = max(float(np.sum(R * R) / d) - (Q0 + 1.0 / d), 0.05 * Delta)
+        A = -np.sum(dg * w) / d if np.all(np.isfinite(dg)) else np.nan
+        ok = np.isfinite(A) and A > 0 and np.all(np.isfinite(g))
+        if ok:
+            R = S_hat + adjoint(X, g, T) / A
+            Delta = d / (2.0 * A)
+            power = float(np.sum(R * R) / d) - (Q0 + 1.0 / d)
+            ok = np.isfinite(power) and power <= noise_ratio_max * Delta
+        if not ok:
+            # the last step let an unstable mode grow: redo it with more damping
+            if last is None or damping >= max_damping:
+                raise AimsymError("damping", f"AMP unstable at iteration {it} (damping {damping:.3f})")
+            damping = 1.0 - 0.5 * (1.0 - damping)
+            S_b, V_b, g_b, S_p, V_p, g_p = last
+            S_hat = (1.0 - damping) * S_p + damping * S_b
+            V = (1.0 - damping) * V_p + damping * V_b
+            g_prev = g_p
+            rejected += 1
+            history.pop()
+            continue
         if variance == "divergence":
             S_new, V_new = rie_denoise(R, rho, Delta, with_variance=True)
         else:
             S_new, V_new = rie_denoise(R, rho, Delta), rie_mmse(Delta, rho)
+        last = (S_hat, V, g_prev, S_new, V_new, g)
+        V_old = V
         S_hat = (1.0 - damping) * S_new + damping * S_hat
-        V_old, V = V, (1.0 - damping) * V_new + damping * V
+        V = (1.0 - damping) * V_new + damping * V
         g_prev = g
         err = float(np.sum((S_hat - S) ** 2) / d)
-        history.append({"iteration": it, "mmse": err, "V": V, "Delta": Delta})
+        history.append({"iteration": it, "mmse": err, "V": V, "Delta": Delta,
+                        "noise_ratio": power / Delta, "damping": damping})
         if V < 1e-10 or abs(V - V_old) < tol * max(V, 1e-12):
             break
     elapsed = time.perf_counter() - t0
+    if not history:
+        raise AimsymError("damping", "AMP made no accepted step")
     return {
         "mmse": history[-1]["mmse"],
         "V": history[-1]["V"],
         "iterations": len(history),
-        "seconds_per_iteration": elapsed / len(history),
+        "rejected_steps": rejected,
+        "final_damping": damping,
+        "seconds_per_iteration": elapsed / max(1, len(history) + rejected),
         "history": history,
         "S_hat": S_hat,
     }
 
 
-def run_many(alpha, rho, d, tokens=2, activation="softmax", beta=1.0, seeds=(0,), iterations=60,
-             damping=0.3):
+def run_many(alpha, rho, d, tokens=2, activation="softmax", beta=1.0, seeds=(0,), iterations=80,
+             damping=0.5):
     """AMP over several seeds; mean and standard error of the final mmse, with the SE value."""
     from . import se
 
