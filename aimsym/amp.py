@@ -196,7 +196,7 @@ def _pad(a: np.ndarray, length: int) -> np.ndarray:
     return np.concatenate([a, np.repeat(a[-1:], length - len(a), axis=0)])
 
 
-def run_amp(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, lam: float = 1e-3,
+def run_amp(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, lam: float = 1e-2,
             damping: float = 0.0, max_iter: int = 50, tol: float = 1e-4, min_iter: int = 3,
             init_scale: float = 0.0, n_test: int | None = None, nodes: int | None = None,
             den=None, progress: bool = False) -> dict:

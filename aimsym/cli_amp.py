@@ -24,8 +24,8 @@ def _common(p):
 def register(subparsers) -> None:
     p = subparsers.add_parser("amp", help="GAMP on teacher-student data (theory section 6)")
     _common(p)
-    p.add_argument("--lambda", dest="lam", type=float, default=1e-3,
-                   help="side-information strength lambda (default 1e-3; needed to leave Q = 0 for even links)")
+    p.add_argument("--lambda", dest="lam", type=float, default=1e-2,
+                   help="side-information strength lambda (default 1e-2; needed to leave Q = 0 for even links)")
     p.add_argument("--init-scale", type=float, default=0.0,
                    help="random uninformative init W_hat_0 = s N(0,1) (default 0)")
     p.add_argument("--damping", type=float, default=0.0, help="damping in [0, 1) (default 0)")

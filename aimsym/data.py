@@ -126,7 +126,8 @@ def back_project(G: np.ndarray, X_rows: np.ndarray) -> np.ndarray:
     """(1 / sqrt(d)) sum_mu G_mu X_mu^T: (n, p, T), (n, T, d) -> (p, d)."""
     n, T, d = X_rows.shape
     Gf = np.ascontiguousarray(G.transpose(0, 2, 1)).reshape(n * T, -1)  # (n T, p)
-    return (Gf.T @ X_rows.reshape(n * T, d)) / np.sqrt(d)
+    # (X^T G)^T: the BLAS kernel for a thin right factor is ~10x faster than G^T X here
+    return (X_rows.reshape(n * T, d).T @ Gf).T / np.sqrt(d)
 
 
 # ----------------------------------------------------------------------------- attention network
