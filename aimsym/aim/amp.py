@@ -142,6 +142,8 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
     S_hat = np.sqrt(rho) * np.eye(d)
     V = Q0 - rho  # = m(inf) = 1
     g_prev = np.zeros((X.shape[0], len(w)))
+    last_iteration = None
+    unstable = False
     last = None  # (S_before, V_before, g_before, S_proposed, V_proposed, g) of the last accepted step
     history, rejected = [], 0
     t0 = time.perf_counter()
@@ -159,21 +161,28 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
             ok = np.isfinite(power) and power <= noise_ratio_max * Delta
         if not ok:
             # the last step let an unstable mode grow: redo it with more damping
-            if last is None or damping >= max_damping:
-                raise AimsymError("damping", f"AMP unstable at iteration {it} (damping {damping:.3f})")
+            if last is None:
+                raise AimsymError("damping", f"AMP unstable at its first iteration (alpha={data.alpha})")
+            if damping >= max_damping:
+                # give up: return the last accepted estimate, flagged as not converged
+                S_hat, V, g_prev = last[0], last[1], last[2]
+                unstable = True
+                break
             damping = 1.0 - 0.5 * (1.0 - damping)
             S_b, V_b, g_b, S_p, V_p, g_p = last
             S_hat = (1.0 - damping) * S_p + damping * S_b
             V = (1.0 - damping) * V_p + damping * V_b
             g_prev = g_p
             rejected += 1
-            history.pop()
+            if history and history[-1]["iteration"] == last_iteration:
+                history.pop()  # that step is being redone
             continue
         if variance == "divergence":
             S_new, V_new = rie_denoise(R, rho, Delta, with_variance=True)
         else:
             S_new, V_new = rie_denoise(R, rho, Delta), rie_mmse(Delta, rho)
         last = (S_hat, V, g_prev, S_new, V_new, g)
+        last_iteration = it
         V_old = V
         S_hat = (1.0 - damping) * S_new + damping * S_hat
         V = (1.0 - damping) * V_new + damping * V
@@ -187,10 +196,11 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
     if not history:
         raise AimsymError("damping", "AMP made no accepted step")
     return {
-        "mmse": history[-1]["mmse"],
-        "V": history[-1]["V"],
+        "mmse": float(np.sum((S_hat - S) ** 2) / d),
+        "V": float(V),
         "iterations": len(history),
         "rejected_steps": rejected,
+        "unstable": unstable,
         "final_damping": damping,
         "seconds_per_iteration": elapsed / max(1, len(history) + rejected),
         "history": history,

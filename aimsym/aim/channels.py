@@ -191,13 +191,22 @@ def _laguerre(n):
     return x, np.log(w)
 
 
+@functools.lru_cache(maxsize=4)
+def _legendre01(n):
+    x, w = np.polynomial.legendre.leggauss(n)
+    return 0.5 * (x + 1.0), 0.5 * w
+
+
 def log_bvn_cdf(a, b, r, n_nodes=48):
     """log Phi_2(a, b; r) for |r| < 1, vectorised and accurate deep in the lower tail.
 
-    With m = min(a, b) < 0 and X = m - t: Phi_2 = phi(m) int_0^inf exp(m t - t^2/2)
-    Phi((M - r m + r t)/s) dt (M the other argument, s = sqrt(1 - r^2)); t = tau / (1 + |m|)
-    and Gauss-Laguerre in tau, summed in log space. For m >= 0, Phi_2 >= Phi_2(0, 0; r) and the
-    complement Phi_2 = Phi(a) + Phi(b) - 1 + Phi_2(-a, -b; r) is used (no cancellation there).
+    Two rules, each used where it is accurate:
+    - min(a, b) > -2.5 (Phi_2 not small): Plackett's identity
+      Phi_2 = Phi(a) Phi(b) + (1/2pi) int_0^r exp(-(a^2 - 2 s a b + b^2)/(2(1 - s^2))) / sqrt(1 - s^2) ds,
+      Gauss-Legendre in s (entire integrand for |r| <= 1/3: ~1e-15);
+    - min(a, b) = m <= -2.5: with X = m - t, Phi_2 = phi(m) int_0^inf exp(m t - t^2/2)
+      Phi((M - r m + r t)/s) dt (M the other argument), t = tau / |m|, Gauss-Laguerre in tau,
+      summed in log space (no underflow for any m).
     """
     a, b = np.broadcast_arrays(np.asarray(a, float), np.asarray(b, float))
     r = float(r)
@@ -205,21 +214,26 @@ def log_bvn_cdf(a, b, r, n_nodes=48):
     m = np.minimum(a, b)
     M = np.maximum(a, b)
     out = np.empty(a.shape)
-    neg = m < 0
-    if np.any(neg):
-        out[neg] = _log_bvn_lower(m[neg], M[neg], r, s, n_nodes)
-    pos = ~neg
-    if np.any(pos):
-        ap, bp = a[pos], b[pos]
-        low = np.exp(_log_bvn_lower(-np.maximum(ap, bp), -np.minimum(ap, bp), r, s, n_nodes))
-        val = np.exp(log_ndtr(ap)) + np.exp(log_ndtr(bp)) - 1.0 + low
-        out[pos] = np.log(val)
+    tail = m <= -2.5
+    if np.any(tail):
+        out[tail] = _log_bvn_lower(m[tail], M[tail], r, s, n_nodes)
+    body = ~tail
+    if np.any(body):
+        ab, bb = a[body], b[body]
+        x, w = _legendre01(24)
+        sr = r * x[None, :]
+        expo = -(ab[:, None] ** 2 - 2 * sr * ab[:, None] * bb[:, None] + bb[:, None] ** 2) / (2 * (1 - sr * sr))
+        integral = r * np.sum(w * np.exp(expo) / np.sqrt(1 - sr * sr), axis=1) / (2 * np.pi)
+        out[body] = np.log(np.exp(log_ndtr(ab) + log_ndtr(bb)) + integral)
     return out
 
 
 def _log_bvn_lower(m, M, r, s, n_nodes):
     tau, logw = _laguerre(n_nodes)
-    scale = 1.0 + np.abs(m)
+    # decay rate of the integrand in t: |m| from exp(m t), plus the slope of log Phi(.) when its
+    # argument is negative (r < 0 makes it fall with t); matching it keeps Laguerre accurate
+    w0 = (M - r * m) / s
+    scale = np.abs(m) + (abs(r) / s) * np.maximum(-w0, 0.0) * (r < 0)
     t = tau[None, :] / scale[:, None]
     # weight e^{-tau} is in logw; integrand = exp(m t - t^2/2 + tau) Phi(.) dt/dtau
     expo = m[:, None] * t - 0.5 * t * t + tau[None, :]
