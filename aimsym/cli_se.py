@@ -1,0 +1,121 @@
+"""CLI: ``aimsym se``, ``aimsym thresholds``, ``aimsym sweep``, ``aimsym plot``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import AimsymError
+
+
+def _common(p, *, samples: int):
+    p.add_argument("model", help="architecture file (TOML), e.g. derivations/attention_L2_T2.toml")
+    p.add_argument("--set", action="append", metavar="NAME=VALUE", help="bind a symbolic parameter (repeatable)")
+    p.add_argument("--samples", type=int, default=samples, help=f"QMC points per expectation (default {samples})")
+    p.add_argument("--replicas", type=int, default=8, help="independent scrambles for standard errors (default 8)")
+    p.add_argument("--nodes", type=int, default=None, help="denoiser Gauss-Hermite nodes per dimension")
+    p.add_argument("--seed", type=int, default=0, help="seed of the QMC scrambles (default 0)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("se", help="Bayes-optimal state evolution fixed point at one alpha")
+    _common(p, samples=4096)
+    p.add_argument("--alpha", type=float, required=True, help="sample complexity n/d")
+    p.add_argument("--init", default="uninformed", choices=("uninformed", "informed"))
+    p.add_argument("--side-info", type=float, default=0.0, dest="side_info", help="side information lambda")
+    p.add_argument("--side-block", default=None, dest="side_block",
+                   help="comma-separated indices (rows of Z) receiving lambda (default all)")
+    p.add_argument("--damping", type=float, default=0.0)
+    p.add_argument("--tol", type=float, default=1e-4)
+    p.add_argument("--max-iter", type=int, default=500, dest="max_iter")
+    p.set_defaults(func=cmd_se)
+
+    try:
+        from . import thresholds  # noqa: F401
+    except ImportError:  # pragma: no cover - stage under construction
+        return
+    p = sub.add_parser("thresholds", help="weak-recovery threshold and grand staircase")
+    _common(p, samples=1 << 16)
+    p.add_argument("--se-samples", type=int, default=2048, dest="se_samples",
+                   help="QMC points of the restricted SE along the staircase (default 2048)")
+    p.add_argument("--no-staircase", action="store_true", dest="no_staircase")
+    p.add_argument("--check", action="store_true", help="also locate alpha_c by SE with tiny side information")
+    p.set_defaults(func=cmd_thresholds)
+
+    try:
+        from . import sweep as _sweep
+    except ImportError:  # pragma: no cover
+        return
+    _sweep.register_cli(sub)
+    try:
+        from . import plot as _plot
+    except ImportError:  # pragma: no cover
+        return
+    _plot.register_cli(sub)
+
+
+def load_model(args):
+    import aimsym
+    from aimsym.spec import parse_assignments
+
+    path = Path(args.model)
+    if not path.is_file():
+        raise AimsymError("model", f"no such file: {args.model}")
+    return aimsym.load(path, **parse_assignments(args.set))
+
+
+def parse_block(text):
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise AimsymError("--side-block", f"expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_se(args) -> int:
+    from .cli import print_json
+    from .se import state_evolution
+
+    model = load_model(args)
+    block = parse_block(args.side_block)
+    if block is not None and any(not 0 <= i < model.p for i in block):
+        raise AimsymError("--side-block", f"indices must be in 0..{model.p - 1}, got {block}")
+    res = state_evolution(model, args.alpha, init=args.init, side_info=args.side_info, side_block=block,
+                          damping=args.damping, tol=args.tol, max_iter=args.max_iter, samples=args.samples,
+                          replicas=args.replicas, nodes=args.nodes, seed=args.seed)
+    out = res.to_dict()
+    if args.json:
+        print_json(out)
+        return 0
+    print(f"model {model.name} {model.parameters}  alpha = {res.alpha}  init = {res.init}")
+    print(f"converged = {res.converged} after {res.iterations} iterations ({res.seconds:.1f} s)")
+    for k in range(model.p):
+        row = "  ".join(f"{res.Q[k, j]: .4f}±{res.Q_stderr[k, j]:.4f}" for j in range(model.p))
+        print(f"Q[{k}]  {row}")
+    print("errors 1 - Q_kk:", ", ".join(f"{e:.4f}" for e in res.errors["layers"]))
+    if "prediction" in res.errors:
+        pe = res.errors["prediction"]
+        print(f"prediction error: Bayes-optimal {pe['bayes_optimal']:.4f}  plug-in {pe['plug_in']:.4f}")
+    print(f"free entropy {res.free_entropy:.5f} ± {res.free_entropy_stderr:.5f}")
+    return 0
+
+
+def cmd_thresholds(args) -> int:
+    from .cli import print_json
+    from .thresholds import threshold_report
+
+    model = load_model(args)
+    rep = threshold_report(model, samples=args.samples, replicas=args.replicas, nodes=args.nodes, seed=args.seed,
+                           staircase=not args.no_staircase, se_samples=args.se_samples, check=args.check)
+    if args.json:
+        print_json(rep)
+        return 0
+    ini = rep["initial"]
+    print(f"model {model.name} {model.parameters}")
+    print(f"alpha_c = {ini['alpha']:.4f} ± {ini['stderr']:.4f}  (rho(F) = {ini['rho']:.4f}), direction:")
+    for row in ini["direction"]:
+        print("   ", "  ".join(f"{v: .3f}" for v in row))
+    for step in rep["staircase"]:
+        print(f"subspace {step['subspace']}: alpha = {step['alpha']:.4f} ± {step['stderr']:.4f}")
+    return 0

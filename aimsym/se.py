@@ -1,0 +1,356 @@
+"""Bayes-optimal state evolution (theory section 4) for any model with a denoiser.
+
+One step, Q -> Q_hat -> Q:
+
+    Q_hat = alpha E[ sum_t g_out[:, t] g_out[:, t]^T ],  g_out = g_out(y, Q^{1/2} xi, I - Q),
+            Z = Q^{1/2} xi + (I - Q)^{1/2} eta,  y = g(Z) (+ sqrt(Delta) noise)
+    Q     = (Q_hat + Lambda) (I + Q_hat + Lambda)^{-1},  Lambda = lam * diag(side-information block)
+
+Expectations. (xi, eta[, noise]) are drawn by scrambled Sobol points mapped through the normal
+quantile; ``replicas`` independently scrambled copies give standard errors (standard error of
+the replica means). The same points are reused at every iteration (common random numbers), so
+the iterated map is deterministic and smooth in Q and the iteration converges to the fixed
+point of the sampled map.
+
+Free entropy (sign: larger is better, the Bayes-optimal fixed point maximises it):
+
+    Phi(Q, Q_hat) = -1/2 Tr(Q Q_hat) + 1/2 Tr(Q_hat) - 1/2 log det(I + Q_hat) + alpha Psi_out(Q),
+    Psi_out(Q)    = E_{xi, eta} log_z_out(y; Q^{1/2} xi, I - Q)
+
+with ``log_z_out`` exactly as the denoiser normalises it (see :mod:`aimsym.channel`). For a
+deterministic attention link that normalisation drops the y <-> h Jacobian; its expectation is
+the same at every Q (y has the prior law), so Phi is defined up to a Q-independent constant:
+compare free-entropy *differences* (e.g. uninformed vs informed fixed points at one alpha).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from scipy.stats import norm, qmc
+
+from .errors import AimsymError
+from .provenance import provenance
+
+# Gauss-Hermite nodes per reduced dimension used by default in SE (faster than the denoiser's
+# own default, ~1e-4 relative on L2_T2, far below the QMC standard errors of Q_hat).
+SE_NODES = {1: 40, 2: 16, 3: 10, 4: 7}
+
+
+# ----------------------------------------------------------------------------- sampling
+def normal_points(dim: int, samples: int, replicas: int, seed) -> np.ndarray:
+    """Randomised QMC standard normals: (replicas, samples // replicas, dim), scrambled Sobol."""
+    if replicas < 2:
+        raise AimsymError("replicas", f"need at least 2 replicas for a standard error, got {replicas}")
+    per = samples // replicas
+    if per < 2:
+        raise AimsymError("samples", f"need at least 2 points per replica, got {samples} for {replicas} replicas")
+    m = int(np.ceil(np.log2(per)))
+    seeds = np.random.SeedSequence(seed).spawn(replicas)
+    out = np.empty((replicas, per, dim))
+    for r, s in enumerate(seeds):
+        u = qmc.Sobol(dim, scramble=True, seed=np.random.default_rng(s)).random_base2(m)[:per]
+        out[r] = norm.ppf(np.clip(u, 1e-15, 1 - 1e-15))
+    return out
+
+
+def mean_and_stderr(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x: (replicas, ...) replica means -> (mean, standard error of the mean)."""
+    R = x.shape[0]
+    return x.mean(axis=0), x.std(axis=0, ddof=1) / np.sqrt(R)
+
+
+# ----------------------------------------------------------------------------- matrices
+def sym(A: np.ndarray) -> np.ndarray:
+    return 0.5 * (A + np.swapaxes(A, -1, -2))
+
+
+def clip_overlap(Q: np.ndarray, eps: float = 1e-9) -> np.ndarray:
+    """Project a symmetric matrix onto 0 <= Q <= (1 - eps) I (eigenvalue clipping)."""
+    w, U = np.linalg.eigh(sym(Q))
+    return sym((U * np.clip(w, 0.0, 1.0 - eps)) @ U.T)
+
+
+def sqrt_psd(Q: np.ndarray) -> np.ndarray:
+    w, U = np.linalg.eigh(sym(Q))
+    return sym((U * np.sqrt(np.clip(w, 0.0, None))) @ U.T)
+
+
+def side_matrix(p: int, lam: float, block=None) -> np.ndarray:
+    """Lambda = lam on the diagonal of ``block`` (indices; all of them if None)."""
+    d = np.zeros(p)
+    d[list(range(p)) if block is None else list(block)] = lam
+    return np.diag(d)
+
+
+def q_from_q_hat(Q_hat: np.ndarray, Lam: np.ndarray) -> np.ndarray:
+    """Gaussian prior update Q = (Q_hat + Lambda)(I + Q_hat + Lambda)^{-1} (symmetrised)."""
+    A = Q_hat + Lam
+    p = A.shape[-1]
+    return sym(np.eye(p) - np.linalg.inv(np.eye(p) + A))
+
+
+# ----------------------------------------------------------------------------- the map
+@dataclass
+class Channel:
+    """The model, its denoiser and the fixed expectation points of one SE run."""
+
+    model: object
+    den: object
+    points: np.ndarray  # (R, n, 2 p T [+ noise dims])
+
+    @property
+    def p(self):
+        return self.model.p
+
+    @property
+    def T(self):
+        return self.model.tokens
+
+    def subset(self, fraction: int) -> "Channel":
+        """The first 1/fraction of every replica's points (a coarser rule, same denoiser)."""
+        n = max(self.points.shape[1] // fraction, 2)
+        return Channel(self.model, self.den, self.points[:, :n])
+
+    def split(self):
+        p, T = self.p, self.T
+        R, n, _ = self.points.shape
+        xi = self.points[..., : p * T].reshape(R, n, p, T)
+        eta = self.points[..., p * T: 2 * p * T].reshape(R, n, p, T)
+        noise = self.points[..., 2 * p * T:]
+        return xi, eta, noise
+
+    def observe(self, Q: np.ndarray):
+        """(omega, V, y) at overlap Q for every point: omega (R, n, p, T), y (R, n, *out)."""
+        xi, eta, noise = self.split()
+        Qc = clip_overlap(Q)
+        S, C = sqrt_psd(Qc), sqrt_psd(np.eye(self.p) - Qc)
+        omega = S @ xi
+        Z = omega + C @ eta
+        y = self.model.link(Z)
+        if self.model.noise > 0:
+            y = y + np.sqrt(self.model.noise) * noise.reshape(y.shape)
+        return omega, np.eye(self.p) - Qc, y
+
+
+def make_channel(model, *, samples: int, replicas: int, seed, nodes=None, extra_dims: int = 0) -> Channel:
+    den = model.denoiser(**denoiser_accuracy(model, nodes))
+    n_out = int(np.prod(model.output_shape)) if model.noise > 0 else 0
+    dim = 2 * model.p * model.tokens + n_out + extra_dims
+    return Channel(model, den, normal_points(dim, samples, replicas, seed))
+
+
+def denoiser_accuracy(model, nodes=None) -> dict:
+    """Denoiser options used by SE: ``nodes`` or the SE default for the reduced dimension."""
+    if nodes is not None:
+        return {"nodes": int(nodes)}
+    dim = int(getattr(model, "kernels", None).INTEGRAL_DIM) if hasattr(model, "kernels") else 0
+    return {"nodes": SE_NODES[dim]} if dim in SE_NODES else {}
+
+
+def se_map(ch: Channel, Q: np.ndarray, alpha: float):
+    """One SE output step at Q: replica values of Q_hat (R, p, p) and of Psi_out (R,)."""
+    omega, V, y = ch.observe(Q)
+    R, n = omega.shape[:2]
+    out = ch.den(y.reshape(R * n, *y.shape[2:]), omega.reshape(R * n, ch.p, ch.T), V)
+    g = out.g_out.reshape(R, n, ch.p, ch.T)
+    Q_hat_r = alpha * np.einsum("rnkt,rnlt->rkl", g, g) / n
+    psi_r = out.log_z_out.reshape(R, n).mean(axis=1)
+    _check_finite(Q_hat_r, "Q_hat")
+    return sym(Q_hat_r), psi_r
+
+
+def _check_finite(x, what):
+    if not np.all(np.isfinite(x)):
+        raise AimsymError(what, "became non-finite (denoiser returned NaN/inf); raise nodes or samples")
+
+
+# ----------------------------------------------------------------------------- free entropy
+def free_entropy(Q: np.ndarray, Q_hat: np.ndarray, alpha: float, psi_out: float) -> float:
+    """Phi(Q, Q_hat) of theory section 4 (larger is better)."""
+    p = Q.shape[0]
+    _, logdet = np.linalg.slogdet(np.eye(p) + Q_hat)
+    return float(-0.5 * np.trace(Q @ Q_hat) + 0.5 * np.trace(Q_hat) - 0.5 * logdet + alpha * psi_out)
+
+
+# ----------------------------------------------------------------------------- errors
+def prediction_errors(model, Q: np.ndarray, *, samples: int = 1 << 14, replicas: int = 8, seed=0) -> dict:
+    """Bayes-optimal E||g(Z)||^2 - E_xi||E_eta g(Z)||^2 and plug-in E||g(Z) - g(Q^{1/2} xi)||^2.
+
+    E_xi ||E_eta g||^2 is estimated without bias as E[g(Q^{1/2} xi + C eta1) . g(Q^{1/2} xi + C eta2)].
+    Noise-free link outputs (the label noise adds Delta * size to both errors and is left out).
+    """
+    p, T = model.p, model.tokens
+    pts = normal_points(3 * p * T, samples, replicas, seed)
+    R, n, _ = pts.shape
+    xi, e1, e2 = (pts[..., i * p * T:(i + 1) * p * T].reshape(R, n, p, T) for i in range(3))
+    Qc = clip_overlap(Q)
+    S, C = sqrt_psd(Qc), sqrt_psd(np.eye(p) - Qc)
+    om = S @ xi
+    y1, y2, y0 = (model.link(z).reshape(R, n, -1) for z in (om + C @ e1, om + C @ e2, om))
+    bayes = (np.sum(y1 * y1, -1) - np.sum(y1 * y2, -1)).mean(axis=1)
+    plug = np.sum((y1 - y0) ** 2, -1).mean(axis=1)
+    (b, bs), (q, qs) = mean_and_stderr(bayes), mean_and_stderr(plug)
+    return {"bayes_optimal": float(b), "bayes_optimal_stderr": float(bs),
+            "plug_in": float(q), "plug_in_stderr": float(qs)}
+
+
+# ----------------------------------------------------------------------------- driver
+@dataclass
+class SEResult:
+    alpha: float
+    Q: np.ndarray
+    Q_stderr: np.ndarray
+    Q_hat: np.ndarray
+    Q_hat_stderr: np.ndarray
+    errors: dict
+    free_entropy: float
+    free_entropy_stderr: float
+    iterations: int
+    converged: bool
+    init: str
+    side_info: float
+    side_block: list | None
+    history: list = field(repr=False, default_factory=list)
+    accuracy: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    provenance: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("history")
+        for k in ("Q", "Q_stderr", "Q_hat", "Q_hat_stderr"):
+            d[k] = np.asarray(d[k]).tolist()
+        return d
+
+
+def initial_overlap(p: int, init, eps: float = 1e-4) -> np.ndarray:
+    """'uninformed' (eps I), 'informed' ((1 - eps) I) or an explicit p x p matrix."""
+    if isinstance(init, str):
+        if init == "uninformed":
+            return eps * np.eye(p)
+        if init == "informed":
+            return (1 - eps) * np.eye(p)
+        raise AimsymError("init", f"expected 'uninformed', 'informed' or a matrix, got {init!r}")
+    Q = np.asarray(init, dtype=float)
+    if Q.shape != (p, p):
+        raise AimsymError("init", f"expected a {p}x{p} overlap matrix, got shape {Q.shape}")
+    return clip_overlap(Q)
+
+
+def state_evolution(model, alpha: float, *, init="uninformed", side_info: float = 0.0, side_block=None,
+                    restrict=None, damping: float = 0.0, tol: float = 1e-4, max_iter: int = 500,
+                    samples: int = 4096, replicas: int = 8, nodes=None, seed=0, errors: bool = True,
+                    channel: Channel | None = None, init_eps: float = 1e-4, coarse: int = 8,
+                    anderson: int = 3) -> SEResult:
+    """Iterate the SE to a fixed point (see :func:`_converged` for the test).
+
+    side_info / side_block: lambda on a block of indices (all if None). ``restrict``: indices U;
+    Q is kept zero outside U x U (the SE branch supported on U used by the staircase).
+    ``channel``: reuse a :func:`make_channel` (same points) across calls, e.g. along alpha.
+    """
+    alpha = float(alpha)
+    if not (np.isfinite(alpha) and alpha >= 0):
+        raise AimsymError("alpha", f"must be a finite number >= 0, got {alpha!r}")
+    if not 0.0 <= damping < 1.0:
+        raise AimsymError("damping", f"must be in [0, 1), got {damping!r}")
+    if side_info < 0:
+        raise AimsymError("side_info", f"must be >= 0, got {side_info!r}")
+    t0 = time.perf_counter()
+    p = model.p
+    ch = channel or make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
+    Lam = side_matrix(p, side_info, side_block)
+    mask = _restrict_mask(p, restrict)
+    Q = initial_overlap(p, init, init_eps) * mask
+    history, it = [], 0
+    # coarse pass on 1/8 of the points (cheap), then the full rule from there
+    for stage, (rule, stage_tol) in enumerate(((ch.subset(coarse), 4 * tol), (ch, tol))):
+        if stage == 0 and coarse <= 1:
+            continue
+        Q, n_it, converged = _iterate(rule, Q, alpha, Lam, mask, damping, stage_tol, max_iter - it, history,
+                                      anderson)
+        it += n_it
+    Q_hat_r, psi_r = se_map(ch, Q, alpha)
+    Q_hat_r = Q_hat_r * mask
+    Q_hat, Q_hat_se = mean_and_stderr(Q_hat_r)
+    Q_r = np.stack([q_from_q_hat(x, Lam) * mask for x in Q_hat_r])
+    Q_fp = q_from_q_hat(Q_hat, Lam) * mask
+    _, Q_se = mean_and_stderr(Q_r)
+    phi_r = np.array([free_entropy(Q_fp, Q_hat, alpha, s) for s in psi_r])
+    phi, phi_se = mean_and_stderr(phi_r)
+    errs = {"layers": (1.0 - np.diag(Q_fp)).tolist(), "layers_stderr": np.diag(Q_se).tolist()}
+    if errors:
+        errs["prediction"] = prediction_errors(model, Q_fp, seed=seed)
+    accuracy = {**ch.den.accuracy, "samples": int(ch.points.shape[0] * ch.points.shape[1]),
+                "replicas": int(ch.points.shape[0]), "rule": "scrambled Sobol (randomised QMC)",
+                "tol": tol, "damping": damping, "max_iter": max_iter}
+    return SEResult(
+        alpha=alpha, Q=Q_fp, Q_stderr=Q_se, Q_hat=Q_hat, Q_hat_stderr=Q_hat_se, errors=errs,
+        free_entropy=float(phi), free_entropy_stderr=float(phi_se), iterations=it, converged=converged,
+        init=init if isinstance(init, str) else "matrix", side_info=float(side_info),
+        side_block=None if side_block is None else [int(i) for i in side_block], history=history,
+        accuracy=accuracy, seconds=time.perf_counter() - t0,
+        provenance=provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,
+                              parameters=dict(getattr(model, "parameters", {}))),
+    )
+
+
+def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=3):
+    """Damped fixed-point iteration of the SE map; returns (Q, iterations, converged)."""
+    start = len(history)
+    xs, gs = [], []  # Anderson memory: iterates and their images
+    for it in range(1, max_iter + 1):
+        Q_hat_r, _ = se_map(ch, Q, alpha)
+        Q_new = q_from_q_hat(Q_hat_r.mean(axis=0) * mask, Lam) * mask
+        history.append(float(np.max(np.abs(Q_new - Q))))
+        if _converged(history[start:], Q_new, tol):
+            return Q_new, it, True
+        Q_plain = damping * Q + (1 - damping) * Q_new
+        xs, gs = (xs + [Q])[-anderson - 1:], (gs + [Q_plain])[-anderson - 1:]
+        Q = _anderson(xs, gs) if anderson and len(xs) > 1 else Q_plain
+    return Q, max(max_iter, 0), False
+
+
+def _anderson(xs, gs) -> np.ndarray:
+    """Anderson mixing: the affine combination of the images with the smallest residual;
+    falls back to the last plain image if the combination leaves 0 <= Q <= I."""
+    F = np.stack([(g - x).ravel() for x, g in zip(xs, gs)], axis=1)
+    dF = F[:, 1:] - F[:, :-1]
+    gamma, *_ = np.linalg.lstsq(dF, F[:, -1], rcond=None)
+    G = np.stack([g.ravel() for g in gs], axis=1)
+    Q = (G[:, -1] - (G[:, 1:] - G[:, :-1]) @ gamma).reshape(xs[0].shape)
+    w = np.linalg.eigvalsh(sym(Q))
+    if not np.all(np.isfinite(Q)) or w.min() < 0 or w.max() >= 1:
+        return gs[-1]
+    return sym(Q)
+
+
+def _converged(history, Q, tol) -> bool:
+    """Distance to the fixed point, extrapolated from the geometric rate of the last two steps,
+    below tol * max(max|Q|, 0.01) (relative near Q = 0, where uninformed starts begin)."""
+    step = history[-1]
+    rate = min(history[-1] / history[-2], 0.999) if len(history) > 1 and history[-2] > 0 else 0.5
+    if len(history) > 1 and history[-1] > history[-2]:
+        return False
+    return step / (1.0 - rate) < tol * max(float(np.max(np.abs(Q))), 0.01)
+
+
+def _restrict_mask(p, restrict):
+    if restrict is None:
+        return np.ones((p, p))
+    m = np.zeros(p)
+    m[list(restrict)] = 1.0
+    return np.outer(m, m)
+
+
+# ----------------------------------------------------------------------------- closed forms
+def gaussian_channel_fixed_point(alpha: float, Delta: float) -> float:
+    """p = T = 1 channel y = z + sqrt(Delta) noise: Q_hat = alpha / (1 - Q + Delta), Q = Q_hat/(1+Q_hat).
+
+    Fixed point: Q (1 - Q + Delta + alpha) = alpha, i.e. Q^2 - (1 + Delta + alpha) Q + alpha = 0,
+    whose smaller root lies in [0, 1].
+    """
+    b = 1.0 + Delta + alpha
+    return float((b - np.sqrt(b * b - 4.0 * alpha)) / 2.0)
