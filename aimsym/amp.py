@@ -64,13 +64,14 @@ def _check_unit(value, fld: str, low: float, high: float, *, high_open: bool = T
 
 def gamp(den, data, *, lam: float = 0.0, damping: float = 0.0, max_iter: int = 50, tol: float = 1e-4,
          min_iter: int = 3, init_scale: float = 0.0, rng: np.random.Generator | None = None,
-         test=None, callback=None) -> AMPTrace:
+         test=None, callback=None, onsager: bool = True) -> AMPTrace:
     """Run GAMP on ``data`` (a :class:`~aimsym.data.TeacherStudentData`) with denoiser ``den``.
 
     ``rng`` draws the side information and the random init (required if either is used).
     ``test``: held-out data with the same teacher for the prediction error (optional).
     Stops when the rms change of W_hat per entry is below ``tol`` (after ``min_iter``) or at
-    ``max_iter``. ``callback(t, trace_so_far)`` is called after each iteration.
+    ``max_iter``. ``callback(t, M, Q)`` is called after each iteration. ``onsager=False`` drops the
+    Onsager term (a diagnostic: the iteration then no longer follows the SE).
     """
     model = den.model
     _check_unit(lam, "lambda", 0.0, np.inf)
@@ -102,7 +103,9 @@ def gamp(den, data, *, lam: float = 0.0, damping: float = 0.0, max_iter: int = 5
     for it in range(1, max_iter + 1):
         t0 = time.perf_counter()
         V = 0.5 * (C_hat + C_hat.T)
-        omega = indices(W_hat, data.X_rows) - np.einsum("kl,nlt->nkt", V, g_prev)
+        omega = indices(W_hat, data.X_rows)
+        if onsager:
+            omega = omega - np.einsum("kl,nlt->nkt", V, g_prev)
         t1 = time.perf_counter()
         out = den(data.y, omega, V)
         t2 = time.perf_counter()
