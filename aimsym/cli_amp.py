@@ -64,8 +64,25 @@ def _check(args):
         raise AimsymError("--seeds", f"must be >= 1, got {args.seeds}")
 
 
+def _nan_to_none(obj):
+    """Standard JSON has no NaN: standard errors of a single seed become null."""
+    import numpy as np
+
+    if isinstance(obj, dict):
+        return {k: _nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_nan_to_none(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _nan_to_none(obj.tolist())
+    if isinstance(obj, float | np.floating) and not np.isfinite(obj):
+        return None
+    return obj
+
+
 def _emit(args, result, lines):
     from .cli import print_json
+
+    result = _nan_to_none(result)
 
     if args.output:
         import json
