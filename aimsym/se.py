@@ -308,8 +308,14 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         if _converged(history[start:], Q_new, tol):
             return Q_new, it, True
         Q_plain = damping * Q + (1 - damping) * Q_new
+        # Anderson only while the plain map contracts (it would also find unstable fixed
+        # points, e.g. Q = 0 above a weak-recovery threshold)
+        h = history[start:]
+        contracting = len(h) >= 4 and h[-1] < h[-2] < h[-3] < h[-4]
+        if not contracting:
+            xs, gs = [], []
         xs, gs = (xs + [Q])[-anderson - 1:], (gs + [Q_plain])[-anderson - 1:]
-        Q = _anderson(xs, gs) if anderson and len(xs) > 1 else Q_plain
+        Q = _anderson(xs, gs) if anderson and contracting and len(xs) > 1 else Q_plain
     return Q, max(max_iter, 0), False
 
 

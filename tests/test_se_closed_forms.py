@@ -1,0 +1,134 @@
+"""State evolution: closed forms, free-entropy stationarity, CLI."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.special import k0, k1  # noqa: F401  (used by the threshold tests' helper)
+
+import aimsym
+from aimsym import se
+from aimsym.errors import AimsymError
+
+ROOT = Path(__file__).resolve().parents[1]
+DER = ROOT / "derivations"
+
+
+class PhaseRetrieval:
+    """y = |z| (p = T = 1) with its closed-form two-point posterior; a stand-in for the generated
+    glm_phase_retrieval denoiser (a dim-0 reduction the code generator does not compile yet)."""
+
+    p, tokens, output_shape, noise, parameters = 1, 1, (1, 1), 0.0, {}
+
+    def hash(self):
+        return "phase-retrieval-closed-form"
+
+    def link(self, Z):
+        return np.abs(Z)
+
+    def denoiser(self, **_):
+        return _PRDenoiser()
+
+
+class _PRDenoiser:
+    accuracy = {"path": "closed form"}
+
+    def __call__(self, y, omega, V):
+        y = np.asarray(y).reshape(-1)
+        w = omega.reshape(-1)
+        v = float(np.asarray(V).reshape(-1)[0])
+        th = np.tanh(y * w / v)
+        mean, var = y * th, y**2 * (1 - th**2)
+        logz = (np.logaddexp(-(y - w) ** 2 / (2 * v), -(y + w) ** 2 / (2 * v))
+                - 0.5 * np.log(2 * np.pi * v))
+        n = y.size
+
+        class Out:
+            g_out = ((mean - w) / v).reshape(n, 1, 1)
+            dg_out = (var / v**2 - 1 / v).reshape(n, 1, 1, 1, 1)
+            log_z_out = logz
+        return Out()
+
+
+@pytest.mark.parametrize("alpha,Delta", [(0.3, 0.5), (1.3, 0.5), (2.0, 0.1)])
+def test_gaussian_channel_closed_form(alpha, Delta):
+    model = aimsym.load(DER / "gaussian_channel.toml", Delta=Delta)
+    res = se.state_evolution(model, alpha, samples=8192, replicas=16, seed=1, errors=False, tol=1e-7)
+    exact = se.gaussian_channel_fixed_point(alpha, Delta)
+    assert res.converged
+    assert abs(res.Q[0, 0] - exact) < 5 * res.Q_stderr[0, 0] + 1e-4
+    assert res.provenance["model_hash"] == model.hash()
+
+
+def test_gaussian_channel_informed_equals_uninformed():
+    model = aimsym.load(DER / "gaussian_channel.toml", Delta=0.3)
+    a = se.state_evolution(model, 0.8, init="uninformed", samples=2048, errors=False, tol=1e-7)
+    b = se.state_evolution(model, 0.8, init="informed", samples=2048, errors=False, tol=1e-7)
+    assert abs(a.Q[0, 0] - b.Q[0, 0]) < 1e-5
+
+
+def _phi_of_q(ch, Q, Q_hat, alpha):
+    _, psi = se.se_map(ch, Q, alpha)
+    return se.free_entropy(Q, Q_hat, alpha, psi.mean())
+
+
+@pytest.mark.parametrize("alpha", [0.7, 1.5])
+def test_fixed_point_is_stationary_point_of_free_entropy_gaussian(alpha):
+    model = aimsym.load(DER / "gaussian_channel.toml", Delta=0.4)
+    ch = se.make_channel(model, samples=4096, replicas=8, seed=3)
+    res = se.state_evolution(model, alpha, channel=ch, errors=False, tol=1e-8)
+    Q, Qh, h = res.Q, res.Q_hat, 1e-3
+    d = (_phi_of_q(ch, Q + h, Qh, alpha) - _phi_of_q(ch, Q - h, Qh, alpha)) / (2 * h)
+    # scale of each term of dPhi/dQ is Q_hat / 2
+    assert abs(d) < 0.02 * Qh[0, 0] / 2 + 1e-4
+
+
+def test_fixed_point_is_stationary_point_of_free_entropy_phase_retrieval():
+    model = PhaseRetrieval()
+    ch = se.make_channel(model, samples=1 << 14, replicas=8, seed=5)
+    res = se.state_evolution(model, 0.8, channel=ch, errors=False, tol=1e-8)
+    assert 0.05 < res.Q[0, 0] < 0.999
+    Q, Qh, h = res.Q, res.Q_hat, 1e-3
+    d = (_phi_of_q(ch, Q + h, Qh, 0.8) - _phi_of_q(ch, Q - h, Qh, 0.8)) / (2 * h)
+    assert abs(d) < 0.03 * Qh[0, 0] / 2
+
+
+def test_phase_retrieval_zero_below_positive_above_half():
+    model = PhaseRetrieval()
+    lo = se.state_evolution(model, 0.4, samples=4096, errors=False)
+    hi = se.state_evolution(model, 0.7, samples=4096, errors=False)
+    assert lo.Q[0, 0] < 1e-3 < 0.05 < hi.Q[0, 0]
+
+
+def test_two_layer_fixed_point_structure():
+    """alpha = 0.5, skip = 1: only the last layer is learned; Q symmetric, within [0, I]."""
+    model = aimsym.load(DER / "attention_L2_T2.toml", skip=1.0)
+    res = se.state_evolution(model, 0.5, samples=1024, replicas=8, errors=True, tol=1e-3)
+    assert res.Q[0, 0] < 1e-3 and 0.6 < res.Q[1, 1] < 0.9
+    assert np.allclose(res.Q, res.Q.T)
+    assert res.errors["prediction"]["bayes_optimal"] <= res.errors["prediction"]["plug_in"] + 0.01
+    assert np.isfinite(res.free_entropy)
+
+
+def test_bad_input():
+    model = aimsym.load(DER / "gaussian_channel.toml", Delta=0.3)
+    for kw in ({"alpha": -1.0}, {"alpha": 1.0, "damping": 1.0}, {"alpha": 1.0, "init": "nope"},
+               {"alpha": 1.0, "replicas": 1}):
+        with pytest.raises(AimsymError):
+            se.state_evolution(model, **kw)
+
+
+def test_cli_se_json():
+    out = subprocess.run([sys.executable, "-m", "aimsym.cli", "se", str(DER / "gaussian_channel.toml"),
+                          "--set", "Delta=0.5", "--alpha", "1.3", "--json"], capture_output=True, text=True,
+                         check=True)
+    d = json.loads(out.stdout)
+    for key in ("alpha", "Q", "Q_stderr", "errors", "free_entropy", "iterations", "provenance"):
+        assert key in d
+    assert abs(d["Q"][0][0] - se.gaussian_channel_fixed_point(1.3, 0.5)) < 0.003
+    bad = subprocess.run([sys.executable, "-m", "aimsym.cli", "se", str(DER / "gaussian_channel.toml"),
+                          "--set", "Delta=0.5", "--alpha", "-2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "alpha" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,172 @@
+"""Weak-recovery operator F, alpha_c, staircase: closed forms and the two-layer attention model."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.integrate import quad
+from scipy.special import k0e, k1e
+
+import aimsym
+from aimsym import se
+from aimsym import thresholds as th
+
+ROOT = Path(__file__).resolve().parents[1]
+DER = ROOT / "derivations"
+sys.path.insert(0, str(Path(__file__).parent))
+from test_se_closed_forms import PhaseRetrieval  # noqa: E402
+
+
+def test_sym_basis_and_apply_roundtrip():
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((3, 3))
+    M = A + A.T
+    F = np.eye(6)
+    assert np.allclose(th.apply(F, M), M)
+
+
+def test_phase_retrieval_operator_is_two():
+    """y = |z|: F = E (y^2 - 1)^2 = 2, alpha_c = 1/2 (method a)."""
+    r = th.initial_threshold(PhaseRetrieval(), samples=1 << 14, seed=0)
+    assert abs(r["F"][0, 0] - 2.0) < 4 * r["F_stderr"][0, 0] + 1e-3
+    assert abs(r["alpha"] - 0.5) < 4 * r["stderr"] + 1e-3
+
+
+def test_phase_retrieval_side_information_bisection():
+    """Method b: SE with tiny side information, bisection in alpha, agrees with 1/2."""
+    r = th.threshold_by_side_information(PhaseRetrieval(), lo=0.4, hi=0.6, samples=4096, xtol=2e-3)
+    assert abs(r["alpha"] - 0.5) < 6e-3
+
+
+def _product_a():
+    """a = E (m(y) - 1)^2 for y = z0 z1, m(y) = E[z0^2 | y] = |y| K1(|y|) / K0(|y|), p(y) = K0(|y|)/pi."""
+    def integrand(y):
+        m = y * k1e(y) / k0e(y)
+        return 2 * (m - 1) ** 2 * k0e(y) * np.exp(-y) / np.pi
+    return quad(integrand, 0, np.inf, limit=200)[0]
+
+
+class _ProductAtZero:
+    """y = z0 z1 denoiser at omega = 0, V = I only: g = 0, G = [[m - 1, y], [y, m - 1]]."""
+
+    accuracy = {"path": "closed form (Bessel)"}
+
+    def __call__(self, y, omega, V):
+        assert np.all(omega == 0) and np.allclose(V, np.eye(2))
+        y = np.asarray(y).reshape(-1)
+        a = np.maximum(np.abs(y), 1e-300)
+        m = a * k1e(a) / k0e(a)
+        n = y.size
+        dg = np.zeros((n, 2, 1, 2, 1))
+        dg[:, 0, 0, 0, 0] = dg[:, 1, 0, 1, 0] = m - 1
+        dg[:, 0, 0, 1, 0] = dg[:, 1, 0, 0, 0] = y
+
+        class Out:
+            dg_out = dg
+        return Out()
+
+
+class ProductClosedForm:
+    p, tokens, output_shape, noise, parameters = 2, 1, (), 0.0, {}
+
+    def hash(self):
+        return "product-closed-form"
+
+    def link(self, Z):
+        return Z[..., 0, 0] * Z[..., 1, 0]
+
+    def denoiser(self, **_):
+        return _ProductAtZero()
+
+
+@pytest.mark.parametrize("model_kind", [
+    "closed-form",
+    pytest.param("generated", marks=pytest.mark.xfail(
+        reason="generated mim_product denoiser is inaccurate near z0 = 0 (1/|z0| Jacobian; E[z0^2|y] "
+               "off by up to 0.14 at small |y|, z0/z1 asymmetric) - reported to the denoiser owner",
+        strict=False)),
+])
+def test_product_operator_matches_analytic_form(model_kind):
+    """y = z0 z1: by the symmetries Z -> -Z and z0 <-> z1, G = [[m-1, y], [y, m-1]] and in the basis
+    (E11, E12 sym, E22) F = [[a, 0, 1], [0, a + 1, 0], [1, 0, a]]: cone radius a + 1 along I."""
+    model = ProductClosedForm() if model_kind == "closed-form" else aimsym.load(DER / "mim_product.toml")
+    r = th.initial_threshold(model, samples=1 << 14, seed=2)
+    a = _product_a()
+    exact = np.array([[a, 0, 1], [0, a + 1, 0], [1, 0, a]])
+    assert np.all(np.abs(r["F"] - exact) < 5 * r["F_stderr"] + 5e-3)
+    assert abs(r["alpha"] - 1 / (1 + a)) < 5 * r["stderr"] + 2e-3
+    assert np.allclose(r["direction"], np.eye(2) / np.sqrt(2), atol=1e-6)
+    assert r["subspace"] == [0, 1]
+
+
+def test_two_layer_operator_diagonal_and_last_layer_first():
+    model = aimsym.load(DER / "attention_L2_T2.toml", skip=1.0)
+    r = th.initial_threshold(model, samples=1 << 13, seed=0)
+    F, se_ = r["F"], r["F_stderr"]
+    # off-diagonal (E11 <-> E22) coupling and the E12 row vanish by the z2 -> -z2 symmetry
+    assert abs(F[0, 2]) < 1e-8 and abs(F[0, 1]) < 1e-8 and abs(F[1, 2]) < 1e-8
+    assert F[2, 2] > F[0, 0] and F[2, 2] <= 6 + 4 * se_[2, 2]  # B22 <= 6 (Jensen)
+    assert r["subspace"] == [1]
+    assert abs(r["alpha"] - 0.187) < 0.004 + 3 * r["stderr"]
+    assert r["stderr"] > 0
+
+
+@pytest.mark.slow
+def test_two_layer_threshold_skip1_precise():
+    model = aimsym.load(DER / "attention_L2_T2.toml", skip=1.0)
+    r = th.initial_threshold(model, samples=1 << 17, replicas=16, seed=11)
+    assert r["stderr"] < 0.001
+    assert abs(r["alpha"] - 0.187) < 0.004
+
+
+def test_two_layer_threshold_decreases_to_one_sixth():
+    """alpha_c(skip) decreases towards 1/6 from above (skip 50 underflows the softmax output y in
+    double precision; see docs/se.md)."""
+    vals = []
+    for skip in (1.0, 4.0):
+        model = aimsym.load(DER / "attention_L2_T2.toml", skip=skip)
+        r = th.initial_threshold(model, samples=1 << 13, seed=1)
+        vals.append((r["alpha"], r["stderr"]))
+    (a1, s1), (a4, s4) = vals
+    assert 1 / 6 - 3 * s4 < a4 < a1
+    assert a4 - 1 / 6 < 0.01
+
+
+@pytest.mark.slow
+def test_two_layer_second_method_agrees():
+    model = aimsym.load(DER / "attention_L2_T2.toml", skip=1.0)
+    a = th.initial_threshold(model, samples=1 << 15, seed=0)
+    b = th.threshold_by_side_information(model, lo=0.16, hi=0.21, samples=1 << 13, xtol=1e-3, seed=3)
+    assert abs(a["alpha"] - b["alpha"]) < 4 * a["stderr"] * np.sqrt(4) + 2e-3
+
+
+@pytest.mark.slow
+def test_two_layer_staircase_and_first_layer_overlap():
+    model = aimsym.load(DER / "attention_L2_T2.toml", skip=1.0)
+    steps = th.staircase(model, 0.185, [1], samples=1 << 13, se_samples=1024)
+    assert len(steps) == 1 and steps[0]["subspace"] == [0]
+    assert 0.65 < steps[0]["alpha"] < 0.833
+    lo = se.state_evolution(model, 0.65, samples=2048, errors=False)
+    hi = se.state_evolution(model, 0.833, samples=2048, errors=False)
+    assert lo.Q[0, 0] < 1e-3 and hi.Q[0, 0] > 0.05 and hi.Q[1, 1] > lo.Q[1, 1] > 0.5
+
+
+@pytest.mark.slow
+def test_three_layers_last_first_then_two_together():
+    model = aimsym.load(DER / "attention_L3_T2.toml", skip=1.0)
+    r = th.threshold_report(model, samples=1 << 12, se_samples=512)
+    assert r["initial"]["subspace"] == [2]
+    stairs = r["staircase"]
+    assert stairs[1]["subspace"] == [0, 1] and stairs[1]["alpha"] > stairs[0]["alpha"]
+
+
+def test_cli_thresholds_json_small():
+    out = subprocess.run([sys.executable, "-m", "aimsym.cli", "thresholds", str(DER / "mim_product.toml"),
+                          "--samples", "4096", "--json"], capture_output=True, text=True, check=True)
+    d = json.loads(out.stdout)
+    assert set(d["initial"]) >= {"alpha", "stderr", "direction"}
+    assert d["staircase"][0]["subspace"] == [0, 1]
+    assert {"subspace", "alpha", "stderr"} <= set(d["staircase"][0])
