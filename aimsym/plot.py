@@ -1,0 +1,87 @@
+"""Figures (matplotlib, Agg): overlaps vs alpha with thresholds and shaded phases; thresholds vs skip."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from .errors import AimsymError
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title: str = ""):
+    """Diagonal overlaps Q_kk (layer k + 1) vs alpha, error bars, threshold lines, shaded phases."""
+    plt = _plt()
+    rows = sorted(rows, key=lambda r: r["alpha"])
+    a = np.array([r["alpha"] for r in rows])
+    p = sum(1 for k in rows[0] if k.startswith("Q_") and k[2] == k[3] and len(k) == 4)
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for k in range(p):
+        q = np.array([r[f"Q_{k}{k}"] for r in rows])
+        s = np.array([r[f"Q_stderr_{k}{k}"] for r in rows])
+        ax.errorbar(a, q, yerr=s, marker="o", ms=3, label=f"layer {k + 1}")
+    edges = [a.min()] + [t["alpha"] for t in thresholds or []] + [a.max()]
+    for i, t in enumerate(thresholds or []):
+        ax.axvline(t["alpha"], color="k", ls="--", lw=0.8)
+        ax.axvspan(t["alpha"] - t.get("stderr", 0), t["alpha"] + t.get("stderr", 0), color="k", alpha=0.15)
+    for i in range(len(edges) - 1):
+        ax.axvspan(edges[i], edges[i + 1], color=f"C{i + 4}", alpha=0.08)
+    ax.set_xlabel("alpha")
+    ax.set_ylabel("overlap Q_kk")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+
+
+def phase_diagram(points: list[dict], out, title: str = ""):
+    """points: {"skip", "alpha", "stderr", "step"}; thresholds vs skip with the 1/6 bound."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for step in sorted({p["step"] for p in points}):
+        pts = sorted((p for p in points if p["step"] == step), key=lambda p: p["skip"])
+        ax.errorbar([p["skip"] for p in pts], [p["alpha"] for p in pts], yerr=[p["stderr"] for p in pts],
+                    marker="o", ms=3, label=f"threshold {step + 1}")
+    ax.axhline(1 / 6, color="k", ls=":", lw=0.8, label="1/6")
+    ax.set_xlabel("skip c")
+    ax.set_ylabel("alpha")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+
+
+def register_cli(sub) -> None:
+    p = sub.add_parser("plot", help="overlaps vs alpha from a sweep store (+ thresholds JSON)")
+    p.add_argument("store", help="sweep SQLite file")
+    p.add_argument("--thresholds", default=None, help="JSON written by 'aimsym thresholds --json'")
+    p.add_argument("--out", default="se_overlaps.png")
+    p.add_argument("--title", default="")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args) -> int:
+    from pathlib import Path
+
+    from .sweep import table
+
+    if not Path(args.store).is_file():
+        raise AimsymError("store", f"no such file: {args.store}")
+    rows = [r for r in table(args.store) if r["init"] == "uninformed"]
+    if not rows:
+        raise AimsymError("store", "no uninformed points stored")
+    ths = json.load(open(args.thresholds))["staircase"] if args.thresholds else None
+    overlaps(rows, args.out, ths, args.title)
+    print(args.out)
+    return 0
