@@ -23,8 +23,12 @@ from .latexutil import latex_cse
 from .spec import Spec, to_toml
 from .symbolic import Derivation, derive
 
-GENERATOR_VERSION = f"{__version__}+g1"
 TEMPLATE = Path(__file__).with_name("driver_template.py")
+# the generator's identity: package version + digest of the generator and driver sources, so
+# that any change to either marks every generated module stale
+GENERATOR_VERSION = __version__ + "+" + hashlib.sha256(
+    Path(__file__).read_bytes() + TEMPLATE.read_bytes()
+).hexdigest()[:10]
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -318,14 +322,21 @@ def import_module(path: Path):
     return mod
 
 
+def header_matches(spec: Spec, path: Path) -> bool:
+    """Cheap currency test for loading: spec hash and generator identity in the header."""
+    if not path.exists():
+        return False
+    with path.open() as fh:
+        head = fh.read(4096)
+    return f"SPEC_HASH = {spec.hash()!r}" in head and f"GENERATOR_VERSION = {GENERATOR_VERSION!r}" in head
+
+
 def load_kernels(spec: Spec):
     """Generated module for ``spec``: the committed one if bundled and current, otherwise
-    (re)generated into the cache directory."""
+    generated into the cache directory keyed by the spec hash."""
     path = module_path(spec)
-    if is_bundled(spec) and not is_stale(spec, path):
-        return import_module(path)
-    if is_bundled(spec):
+    if not header_matches(spec, path):
         path = module_path(spec, bundled=False)
-    if is_stale(spec, path):
-        write_module(spec, path)
+        if not header_matches(spec, path):
+            write_module(spec, path)
     return import_module(path)

@@ -100,6 +100,7 @@ class Derivation:
             "kind": self.spec.kind,
             "spec_hash": self.spec.hash(),
             "indices": self.p,
+            "p": self.p,
             "tokens": self.tokens,
             "output_shape": list(self.output_shape),
             "parameters": [str(s) for s in self.params],
@@ -194,7 +195,7 @@ def attention_forward(spec: AttentionSpec, Z: sp.Matrix, stop_before_last: bool 
             q = M * zq.T  # T x r: queries of the current tokens, in index form
             k = q if layer.tied else M * zk.T
             S_total += param_symbol(a) * activate(layer.activation, beta * (q * k.T))
-        M = param_symbol(layer.skip) * sp.eye(T) + S_total
+        M = (param_symbol(layer.skip) * sp.eye(T) + S_total) * M  # M_l = (c_l I + S_l) M_{l-1}
     return S_total, M_prev, M
 
 

@@ -2,7 +2,7 @@
 
 model: attention_L2_T2
 spec hash: 2161f6543159659e
-generator: 0.1.0+g1
+generator: 0.1.0+4bc04fbc2f
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '2161f6543159659e'
-GENERATOR_VERSION = '0.1.0+g1'
+GENERATOR_VERSION = '0.1.0+4bc04fbc2f'
 NAME = 'attention_L2_T2'
 P = 2
 T = 2

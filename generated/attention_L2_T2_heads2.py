@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_heads2
 spec hash: 4d0ec50932b2b92b
-generator: 0.1.0+g1
+generator: 0.1.0+4bc04fbc2f
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '4d0ec50932b2b92b'
-GENERATOR_VERSION = '0.1.0+g1'
+GENERATOR_VERSION = '0.1.0+4bc04fbc2f'
 NAME = 'attention_L2_T2_heads2'
 P = 3
 T = 2

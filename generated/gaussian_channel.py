@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+g1
+generator: 0.1.0+4bc04fbc2f
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+g1'
+GENERATOR_VERSION = '0.1.0+4bc04fbc2f'
 NAME = 'gaussian_channel'
 P = 1
 T = 1

@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+g1
+generator: 0.1.0+4bc04fbc2f
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+g1'
+GENERATOR_VERSION = '0.1.0+4bc04fbc2f'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1

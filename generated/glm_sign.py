@@ -2,7 +2,7 @@
 
 model: glm_sign
 spec hash: c64eee4aaf29a557
-generator: 0.1.0+g1
+generator: 0.1.0+4bc04fbc2f
 denoiser path: generic (noisy channel, Delta > 0) (piecewise-constant link (region constraint): no point inversion)
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'c64eee4aaf29a557'
-GENERATOR_VERSION = '0.1.0+g1'
+GENERATOR_VERSION = '0.1.0+4bc04fbc2f'
 NAME = 'glm_sign'
 P = 1
 T = 1

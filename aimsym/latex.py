@@ -1,0 +1,161 @@
+"""LaTeX export of a derivation: architecture, link, Jacobian, reduction, denoiser integral.
+
+Every formula is printed from the SymPy objects of :mod:`aimsym.symbolic`, the same ones the
+code generator turns into kernels.
+"""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from .latexutil import latex, latex_cse
+from .spec import AttentionSpec
+from .symbolic import Derivation
+
+_PREAMBLE = r"""\documentclass[11pt]{article}
+\usepackage{amsmath,amssymb}
+\usepackage[margin=2cm]{geometry}
+\allowdisplaybreaks
+\begin{document}
+"""
+
+
+def _align(lines: list[str]) -> str:
+    if not lines:
+        return ""
+    return "\\begin{align*}\n" + " \\\\\n".join(lines) + "\n\\end{align*}\n"
+
+
+def _esc(text: str) -> str:
+    return text.replace("_", r"\_").replace("&", r"\&").replace("%", r"\%")
+
+
+def architecture_section(d: Derivation) -> str:
+    spec = d.spec
+    out = [r"\section*{Architecture}", ""]
+    if isinstance(spec, AttentionSpec):
+        out.append(
+            f"Deep attention, $T = {spec.tokens}$ tokens, $L = {len(spec.layers)}$ layers, "
+            f"output \\texttt{{{spec.output}}}, heads mode \\texttt{{{spec.head_mode}}}."
+        )
+        out.append(r"\begin{center}\begin{tabular}{cccccc}")
+        out.append(r"layer & rank & heads & tied & skip $c_l$ & activation ($\beta_l$) \\ \hline")
+        for l, ly in enumerate(spec.layers, start=1):
+            out.append(
+                f"{l} & {ly.rank} & {ly.heads} & {'yes' if ly.tied else 'no'} & "
+                f"${sp.latex(_sym(ly.skip))}$ & {ly.activation} (${sp.latex(_sym(ly.beta))}$) \\\\"
+            )
+        out.append(r"\end{tabular}\end{center}")
+        out.append(
+            r"With $z_l = W_l^\top x/\sqrt{d}$, mixing products $M_0 = I$, "
+            r"$M_l = c_l I + \frac1H\sum_h S_{l,h}$, "
+            r"$S_l = \sigma\big(\beta_l (M_{l-1} z_{Q,l}^\top)(M_{l-1} z_{K,l}^\top)^\top\big)$ "
+            r"(tied: $z_Q = z_K$)."
+        )
+    else:
+        out.append(f"Free-form sequence multi-index model, $p = {spec.indices}$ indices, $T = {spec.tokens}$ tokens.")
+    rows = ", ".join(f"$z_{{{k},\\cdot}}$: {_esc(lbl)}" for k, lbl in enumerate(d.summary()["index_labels"]))
+    out.append("")
+    out.append(f"Index rows of $Z \\in \\mathbb{{R}}^{{{d.p}\\times {d.tokens}}}$: {rows}.")
+    return "\n".join(out) + "\n"
+
+
+def _sym(v):
+    from .symbolic import param_symbol
+
+    return param_symbol(v)
+
+
+def link_section(d: Derivation) -> str:
+    rows, cols = d.link.shape
+    named = [(f"y_{{{a},{b}}}", d.link[a, b]) for a in range(rows) for b in range(cols)]
+    text = [r"\section*{Link $y = g(Z)$}", "", "After common-subexpression elimination:", _align(latex_cse(named))]
+    if sum(len(str(e)) for e in d.link) < 3000:
+        text += ["In full:", f"\\[ y = {latex(d.link)} \\]"]
+    return "\n".join(text) + "\n"
+
+
+def jacobian_section(d: Derivation) -> str:
+    J = d.jacobian
+    rows, cols = d.link.shape
+    named = []
+    for a in range(rows):
+        for b in range(cols):
+            for k in range(d.p):
+                for t in range(d.tokens):
+                    e = J[a, b, k, t]
+                    if e != 0:
+                        named.append((f"\\frac{{\\partial y_{{{a},{b}}}}}{{\\partial z_{{{k},{t}}}}}", e))
+    return "\n".join([r"\section*{Jacobian $\partial g / \partial Z$}", "", _align(latex_cse(named, 30000))]) + "\n"
+
+
+def symmetry_section(d: Derivation) -> str:
+    lines = [r"\section*{Symmetries}", ""]
+    if not d.symmetries:
+        lines.append("No sign-flip symmetry of $g$ was found.")
+    else:
+        lines.append("Sign flips leaving $g$ invariant (verified numerically at random points):")
+        lines.append(r"\begin{itemize}")
+        lines += [f"\\item {_esc(s['name'])} (rows {', '.join(map(str, s['rows']))})" for s in d.symmetries]
+        lines.append(r"\end{itemize}")
+    return "\n".join(lines) + "\n"
+
+
+def reduction_section(d: Derivation) -> str:
+    red = d.reduction
+    lines = [r"\section*{Exact reduction of the denoiser}", ""]
+    if red is None:
+        lines.append(f"{_esc(d.reduction_reason)}.")
+        lines.append(
+            r"The denoiser integrates the noisy channel over all of $Z$: "
+            r"\[ Z_{\rm out}(y;\omega,V) = \int \prod_t \mathcal N(z_t;\omega_t,V)\,"
+            r"\mathcal N(y; g(Z), \Delta I)\,dZ . \]"
+        )
+        return "\n".join(lines) + "\n"
+    free = ", ".join(f"z_{{{k},{t}}}" for k, t in red.free) or r"\varnothing"
+    solved = ", ".join(f"z_{{{k},{t}}}" for k, t in red.solved)
+    lines.append(f"{_esc(d.reduction_reason)}. Integral dimension {red.integral_dim}: "
+                 f"free entries $u = ({free})$, solved entries ${solved}$.")
+    if red.kind == "attention-rank1":
+        beta = sp.latex(red.beta)
+        if red.activation == "softmax":
+            lines.append(
+                r"Inverse output map: with $\ell_{ab} = \log(y_{ab}/y_{aa}) = " + beta
+                + r"\, h_a (h_b - h_a)$, $G = h h^\top = t\,\mathbf 1\mathbf 1^\top + N$ where "
+                r"$N_{ab} = (\ell_{0a} - \ell_{a0})/" + beta + r" + \ell_{ab}/" + beta + r"$ and "
+                r"$t = (N_{ab}^2 - N_{aa}N_{bb})/(h_a-h_b)^2$, $(h_a-h_b)^2 = -(\ell_{ab}+\ell_{ba})/" + beta
+                + r"$; $h$ is the rank-one factor of $G$, up to a global sign."
+            )
+        else:
+            lines.append(r"Inverse output map: $h h^\top = y/" + beta + r"$, $h$ up to a global sign.")
+        if red.mixing is not None and len(d.spec.layers) > 1:
+            mix = red.mixing
+            named = [(f"(M_{{L-1}})_{{{a},{b}}}", mix[a, b]) for a in range(mix.shape[0]) for b in range(mix.shape[1])]
+            named.append((r"\det M_{L-1}", red.det_mixing))
+            lines.append("Mixing matrix of the earlier layers and its determinant:")
+            lines.append(_align(latex_cse(named)))
+    named = [(f"z_{{{k},{t}}}^{{({i})}}", e) for i, br in enumerate(red.branches) for (k, t), e in zip(red.solved, br)]
+    named += [(f"\\log J^{{({i})}}", e) for i, e in enumerate(red.log_jacobian)]
+    lines.append(f"Solved entries and weight factors on each of the {len(red.branches)} branches:")
+    lines.append(_align(latex_cse(named)))
+    lines.append("Denoiser integral in the reduced variables (normalised Gaussians; the $y\\leftrightarrow h$ "
+                 "Jacobian, independent of $\\omega$ and $V$, is left out):")
+    du = r"\,du" if red.integral_dim else ""
+    integral = r"\int" if red.integral_dim else ""
+    lines.append(
+        r"\[ Z_{\rm out}(y;\omega,V) = \sum_{i} " + integral
+        + r" \prod_{t} \mathcal N\big(z_t;\omega_t,V\big)\Big|_{z = (u,\, z^{(i)}(u))} e^{\log J^{(i)}(u)}" + du
+        + r", \qquad g_{\rm out} = V^{-1}(\mathbb E[z_t\mid y]-\omega_t),\quad "
+        r"\partial_\omega g_{\rm out} = V^{-1}{\rm Cov}(z_t,z_s\mid y)V^{-1} - \delta_{ts}V^{-1}. \]"
+    )
+    if red.notes:
+        lines.append("Notes: " + "; ".join(_esc(n) for n in red.notes) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def document(d: Derivation) -> str:
+    spec = d.spec
+    title = f"\\title{{aimsym derivation: \\texttt{{{_esc(spec.name)}}}}}\n\\date{{spec hash {spec.hash()}}}\n\\maketitle\n"
+    parts = [_PREAMBLE, title, architecture_section(d), link_section(d), jacobian_section(d),
+             symmetry_section(d), reduction_section(d), "\\end{document}\n"]
+    return "\n".join(parts)

@@ -1,0 +1,140 @@
+"""SMI mapping: the derived link equals a plain forward pass of the network; Jacobian,
+symmetries and exact reduction hold numerically. Architectures drawn by hypothesis."""
+
+import numpy as np
+import pytest
+import sympy as sp
+from forward import draw_weights, forward, indices, last_h
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aimsym import spec as S
+from aimsym.symbolic import derive
+
+
+@st.composite
+def architectures(draw, max_tokens=4, max_layers=3):
+    T = draw(st.integers(1, max_tokens))
+    L = draw(st.integers(1, max_layers))
+    ranks = draw(st.lists(st.integers(1, 2), min_size=L, max_size=L))
+    heads = draw(st.lists(st.integers(1, 2), min_size=L, max_size=L))
+    if sum(r * h for r, h in zip(ranks, heads)) > 5:  # keep SymPy's trees small
+        ranks, heads = [1] * L, [1] * L
+    acts = draw(st.lists(st.sampled_from(S.ACTIVATIONS), min_size=L, max_size=L))
+    skip = draw(st.lists(st.floats(0.3, 2.0), min_size=L, max_size=L))
+    beta = draw(st.lists(st.floats(0.3, 1.5), min_size=L, max_size=L))
+    tied = draw(st.lists(st.booleans(), min_size=L, max_size=L))
+    return S.make_attention(
+        tokens=T, layers=L, rank=ranks, heads=heads, activation=acts, skip=skip, beta=beta,
+        tied=tied, output=draw(st.sampled_from(S.OUTPUTS)), head_mode=draw(st.sampled_from(S.HEAD_MODES)),
+    )
+
+
+def _relclose(a, b, tol):
+    scale = max(1.0, float(np.max(np.abs(b))))
+    return float(np.max(np.abs(a - b))) <= tol * scale
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=architectures(), seed=st.integers(0, 2**32 - 1))
+def test_link_equals_forward_pass(spec, seed):
+    rng = np.random.default_rng(seed)
+    d = 64
+    x = rng.standard_normal((d, spec.tokens))
+    weights = draw_weights(spec, d, rng)
+    Z = indices(spec, x, weights)
+    d_ = derive(spec)
+    assert Z.shape == (d_.p, d_.tokens)
+    y_net = forward(spec, x, weights)
+    y_smi = d_.numeric_link(Z)
+    assert _relclose(y_smi, y_net, 1e-10), np.max(np.abs(y_smi - y_net))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=architectures(max_tokens=3), seed=st.integers(0, 2**32 - 1))
+def test_declared_symmetries_hold(spec, seed):
+    rng = np.random.default_rng(seed)
+    d_ = derive(spec)
+    f = d_.numeric_link
+    # every tied layer's index enters through z z^T: its flip must have been detected
+    for l, layer in enumerate(spec.layers, start=1):
+        names = {s["name"] for s in d_.symmetries}
+        assert f"layer {l}: z_{l} -> -z_{l}" in names
+    for sym in d_.symmetries:
+        for _ in range(3):
+            Z = rng.standard_normal((d_.p, d_.tokens))
+            Zf = Z.copy()
+            Zf[sym["rows"]] *= -1
+            assert np.allclose(f(Zf), f(Z), rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=architectures(max_tokens=3), seed=st.integers(0, 2**32 - 1))
+def test_jacobian_matches_finite_differences(spec, seed):
+    if any(layer.activation == "hardmax" for layer in spec.layers):
+        spec = S.make_attention(tokens=spec.tokens, layers=len(spec.layers), activation="softmax",
+                                rank=[ly.rank for ly in spec.layers], heads=[ly.heads for ly in spec.layers],
+                                tied=[ly.tied for ly in spec.layers], output=spec.output)
+    rng = np.random.default_rng(seed)
+    d_ = derive(spec)
+    J = sp.lambdify([list(d_.Z)], sp.Array(d_.jacobian).tolist(), "numpy", cse=True)
+    Z = rng.standard_normal((d_.p, d_.tokens))
+    Jv = np.array(J(list(Z.reshape(-1))), dtype=float).reshape(*d_.link.shape, d_.p, d_.tokens)
+    eps = 1e-6
+    for k in range(d_.p):
+        for t in range(d_.tokens):
+            Zp, Zm = Z.copy(), Z.copy()
+            Zp[k, t] += eps
+            Zm[k, t] -= eps
+            fd = (d_.numeric_link(Zp) - d_.numeric_link(Zm)) / (2 * eps)
+            assert _relclose(Jv[..., k, t], fd, 1e-6)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(T=st.integers(2, 4), L=st.integers(1, 3), act=st.sampled_from(["softmax", "linear"]),
+       skip=st.floats(0.5, 2.0), beta=st.floats(0.5, 1.5), seed=st.integers(0, 2**32 - 1))
+def test_reduction_reconstructs_h_and_last_index(T, L, act, skip, beta, seed, h_from_y):
+    spec = S.make_attention(tokens=T, layers=L, activation=act, skip=skip, beta=beta)
+    d_ = derive(spec)
+    red = d_.reduction
+    assert red is not None and red.integral_dim == (d_.p - 1) * T
+    rng = np.random.default_rng(seed)
+    Z = rng.standard_normal((d_.p, T))
+    y = d_.numeric_link(Z)
+    h = np.empty(T)
+    status = h_from_y[act](y, beta, h)
+    assert status == 0
+    h_true = last_h(spec, Z)
+    sign = np.sign(h @ h_true)
+    assert np.allclose(sign * h, h_true, rtol=1e-9, atol=1e-9)
+    # the branch with the right sign returns z_L from u = earlier indices
+    subs = {d_.Z[k, t]: Z[k, t] for k, t in red.free}
+    subs.update({s: sign * hv for s, hv in zip(red.obs, h)})
+    zl = np.array([float(e.subs(subs)) for e in red.branches[0]])
+    assert np.allclose(zl, Z[-1], rtol=1e-9, atol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def h_from_y():
+    """The generated inverse output maps (softmax / linear last layer)."""
+    import aimsym
+
+    out = {"softmax": aimsym.load(S.make_attention(tokens=2, name="h_softmax")).kernels.h_from_y,
+           "linear": aimsym.load(S.make_attention(tokens=2, activation="linear", name="h_linear")).kernels.h_from_y}
+    return out
+
+
+def test_reduction_reported_when_absent():
+    for kw, word in [({"output": "tokens"}, "tokens"), ({"rank": 2}, "rank"), ({"heads": 2}, "heads"),
+                     ({"tied": False}, "untied"), ({"activation": "hardmax"}, "hardmax")]:
+        d_ = derive(S.make_attention(tokens=2, layers=2, **kw))
+        assert d_.reduction is None and word in d_.reduction_reason
+
+
+def test_free_form_reductions():
+    pr = derive(S.make_smi(indices=1, tokens=1, link="abs(z[0, 0])"))
+    assert pr.reduction.integral_dim == 0 and len(pr.reduction.branches) == 2
+    prod = derive(S.make_smi(indices=2, tokens=1, link="z[0, 0] * z[1, 0]"))
+    assert prod.reduction.integral_dim == 1
+    sign = derive(S.make_smi(indices=1, tokens=1, link="sign(z[0, 0])"))
+    assert sign.reduction is None and "piecewise" in sign.reduction_reason
