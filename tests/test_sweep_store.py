@@ -19,8 +19,11 @@ GC = str(DER / "gaussian_channel.toml")
 
 
 def _count(store):
-    with sqlite3.connect(store) as con:
-        return con.execute("SELECT COUNT(*) FROM points").fetchone()[0]
+    try:
+        with sqlite3.connect(store) as con:
+            return con.execute("SELECT COUNT(*) FROM points").fetchone()[0]
+    except sqlite3.OperationalError:  # table not created yet
+        return 0
 
 
 def test_sweep_runs_resumes_and_exports(tmp_path):
