@@ -19,7 +19,7 @@ import sympy as sp
 from sympy.printing.pycode import PythonCodePrinter
 
 from . import __version__
-from .latexutil import latex_cse
+from .latexutil import latex_program
 from .spec import Spec, to_toml
 from .symbolic import Derivation, derive
 
@@ -67,6 +67,17 @@ def _cse_block(exprs: list[sp.Expr], indent: str = "    ", prefix: str = "x") ->
     return lines, [_code(e) for e in reduced]
 
 
+def _program_block(d: Derivation, outputs: list, extra_defs=(), indent: str = "    ") -> tuple[list[str], list[str]]:
+    """Print the program definitions ``outputs`` need, then cse the outputs themselves."""
+    from .symbolic import Program
+
+    prog = Program()
+    prog.defs = list(d.program.defs) + list(extra_defs)
+    lines = [f"{indent}{sym.name} = {_code(e)}" for sym, e in prog.closure(outputs)]
+    cse_lines, reduced = _cse_block(outputs, indent)
+    return lines + cse_lines, reduced
+
+
 def _docstring(title: str, latex_lines: list[str], indent: str = "    ") -> list[str]:
     body = [f'{indent}r"""{title}', "", f"{indent}.. math::", ""]
     body += [f"{indent}    {ln} \\\\" for ln in latex_lines]
@@ -91,18 +102,19 @@ def _link_kernel(d: Derivation) -> list[str]:
     rows, cols = d.link.shape
     names = [(f"y_{{{a},{b}}}", d.link[a, b]) for a in range(rows) for b in range(cols)]
     lines = ["@njit(cache=True)", "def link(Z, params, out):"]
-    lines += _docstring("Link y = g(Z); Z has shape (P, T), out has shape LINK_SHAPE.", latex_cse(names, 6000))
+    lines += _docstring("Link y = g(Z); Z has shape (P, T), out has shape LINK_SHAPE.",
+                        latex_program(d.program, names, 6000))
     lines += _unpack_Z(d) + _unpack_params(d)
-    cse_lines, reduced = _cse_block(out)
-    lines += cse_lines
+    body, reduced = _program_block(d, out)
+    lines += body
     lines += [f"    out[{a}, {b}] = {reduced[a * cols + b]}" for a in range(rows) for b in range(cols)]
     return lines
 
 
 def _jacobian_kernel(d: Derivation) -> list[str]:
-    J = d.jacobian
+    defs, J = d.jacobian_program
     rows, cols = d.link.shape
-    flat = [J[a, b, k, t] for a in range(rows) for b in range(cols) for k in range(d.p) for t in range(d.tokens)]
+    flat = [e for row in J for e in row]
     lines = ["@njit(cache=True)", "def link_jacobian(Z, params, out):"]
     lines += [
         '    r"""Jacobian out[a, b, k, t] = d y_{a,b} / d z_{k,t} (derivative of the link above,',
@@ -110,8 +122,8 @@ def _jacobian_kernel(d: Derivation) -> list[str]:
         '    """',
     ]
     lines += _unpack_Z(d) + _unpack_params(d)
-    cse_lines, reduced = _cse_block(flat)
-    lines += cse_lines
+    body, reduced = _program_block(d, flat, defs)
+    lines += body
     i = 0
     for a in range(rows):
         for b in range(cols):
@@ -132,14 +144,14 @@ def _branch_kernel(d: Derivation) -> list[str]:
         named += [(f"\\log J^{{({i})}}", e) for i, e in enumerate(red.log_jacobian)]
         title = ("Reduced posterior branch b: fills z (P, T) from the free entries u and the observed "
                  "quantity obs; returns the log of the weight factor (Jacobian).")
-        lines += _docstring(title, latex_cse(named, 8000))
+        lines += _docstring(title, latex_program(d.program, named, 8000))
         lines += _unpack(d, red.free, "u")
         lines += [f"    {s.name} = obs[{i}]" for i, s in enumerate(red.obs)]
         lines += _unpack_params(d)
         lines += [f"    z[{k}, {t}] = {d.Z[k, t].name}" for k, t in red.free]
         exprs = [e for br in red.branches for e in br] + list(red.log_jacobian)
-        cse_lines, reduced = _cse_block(exprs)
-        lines += cse_lines
+        body, reduced = _program_block(d, exprs)
+        lines += body
         n_solved = len(red.solved)
         for i in range(len(red.branches)):
             lines.append(f"    {'if' if i == 0 else 'elif'} b == {i}:")
@@ -157,15 +169,14 @@ def _branch_kernel(d: Derivation) -> list[str]:
     ]
     lines += _unpack(d, entries, "u") + _unpack_params(d)
     lines += [f"    z[{k}, {t}] = {d.Z[k, t].name}" for k, t in entries]
-    out = list(d.link)
-    cse_lines, reduced = _cse_block(out)
-    lines += cse_lines
+    body, reduced = _program_block(d, list(d.link))
+    lines += body
     lines.append("    Delta = noise_variance(params)")
     lines.append("    acc = 0.0")
     for i, e in enumerate(reduced):
         lines.append(f"    r = obs[{i}] - ({e})")
         lines.append("    acc += r * r")
-    lines.append(f"    return -0.5 * acc / Delta - {0.5 * len(out)} * math.log(2.0 * math.pi * Delta)")
+    lines.append(f"    return -0.5 * acc / Delta - {0.5 * len(d.link)} * math.log(2.0 * math.pi * Delta)")
     return lines
 
 
@@ -232,6 +243,8 @@ def module_source(spec: Spec) -> str:
         f"FREE = {tuple(free)!r}",
         f"SOLVED = {tuple(solved)!r}",
         f"INTEGRAL_DIM = {len(free)}",
+        f"FREE_K = np.array({[k for k, _ in free]!r}, dtype=np.int64)",
+        f"FREE_T = np.array({[t for _, t in free]!r}, dtype=np.int64)",
         f"EVEN_ROWS = {tuple(tuple(s['rows']) for s in d.symmetries if s['name'] != 'Z -> -Z')!r}",
         "",
         "",

@@ -1,7 +1,7 @@
 """Batch denoiser driver, hand-written once and appended verbatim to every generated module
 (below the marker) so that numba caches it together with the model's scalar kernels.
 
-It relies on the generated names ``branch``, ``last_beta``, ``P``, ``T``, ``FREE``,
+It relies on the generated names ``branch``, ``last_beta``, ``P``, ``T``, ``INTEGRAL_DIM``, ``FREE_K``, ``FREE_T``,
 ``N_BRANCHES``, ``OBS_KIND`` and ``LAST_ACTIVATION``. This file is not imported by the
 package; it only has to be valid Python so that linters and the generator can read it.
 """
@@ -169,7 +169,7 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
     """
     p = P
     nt = T
-    D = len(FREE)
+    D = INTEGRAL_DIM
     pt = p * nt
     Lv = np.empty((p, p))
     if not _cholesky(V, Lv):
@@ -184,16 +184,16 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
     Lb = np.zeros((N_BRANCHES, D, D))
     C0 = np.empty((D, D))
     for i in range(D):
-        ki, ti = FREE[i]
+        ki, ti = FREE_K[i], FREE_T[i]
         for j in range(D):
-            kj, tj = FREE[j]
+            kj, tj = FREE_K[j], FREE_T[j]
             C0[i, j] = V[ki, kj] if ti == tj else 0.0
     L0 = np.empty((D, D))
     if D > 0 and not _cholesky(C0, L0):
         return STATUS_BAD_V
     for b in range(N_BRANCHES):
         for i in range(D):
-            m[b, i] = omega[FREE[i][0], FREE[i][1]]
+            m[b, i] = omega[FREE_K[i], FREE_T[i]]
             for j in range(D):
                 Lb[b, i, j] = L0[i, j]
     z = np.zeros((p, nt))

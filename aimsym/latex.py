@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .latexutil import latex, latex_cse
+from .latexutil import latex, latex_program
 from .spec import AttentionSpec
 from .symbolic import Derivation
 
@@ -69,24 +69,36 @@ def _sym(v):
 def link_section(d: Derivation) -> str:
     rows, cols = d.link.shape
     named = [(f"y_{{{a},{b}}}", d.link[a, b]) for a in range(rows) for b in range(cols)]
-    text = [r"\section*{Link $y = g(Z)$}", "", "After common-subexpression elimination:", _align(latex_cse(named))]
-    if sum(len(str(e)) for e in d.link) < 3000:
-        text += ["In full:", f"\\[ y = {latex(d.link)} \\]"]
+    text = [r"\section*{Link $y = g(Z)$}", "",
+            "As the straight-line program the code runs (queries $q$, logits $A$, attention $S$, "
+            "mixing products $M$ of each layer):", _align(latex_program(d.program, named))]
+    if len(d.program.defs) < 40:
+        full = sp.Matrix(d.link.shape[0], d.link.shape[1], [d.program.expand(e) for e in d.link])
+        if sum(len(str(e)) for e in full) < 3000:
+            text += ["In full:", f"\\[ y = {latex(full)} \\]"]
     return "\n".join(text) + "\n"
 
 
 def jacobian_section(d: Derivation) -> str:
-    J = d.jacobian
+    from .symbolic import Program
+
+    defs, J = d.jacobian_program
     rows, cols = d.link.shape
     named = []
     for a in range(rows):
         for b in range(cols):
-            for k in range(d.p):
-                for t in range(d.tokens):
-                    e = J[a, b, k, t]
-                    if e != 0:
-                        named.append((f"\\frac{{\\partial y_{{{a},{b}}}}}{{\\partial z_{{{k},{t}}}}}", e))
-    return "\n".join([r"\section*{Jacobian $\partial g / \partial Z$}", "", _align(latex_cse(named, 30000))]) + "\n"
+            for i in range(d.p * d.tokens):
+                e = J[a * cols + b][i]
+                if e != 0:
+                    k, t = divmod(i, d.tokens)
+                    named.append((f"\\frac{{\\partial y_{{{a},{b}}}}}{{\\partial z_{{{k},{t}}}}}", e))
+    prog = Program()
+    prog.defs = d.program.defs + defs
+    prog.latex_names = d.program.latex_names
+    intro = (r"Forward-mode chain rule through the program; $\partial_i X$ is the derivative of the "
+             r"intermediate $X$ with respect to the $i$-th entry of ${\rm vec}(Z)$ (row-major).")
+    return "\n".join([r"\section*{Jacobian $\partial g / \partial Z$}", "", intro,
+                      _align(latex_program(prog, named, 30000))]) + "\n"
 
 
 def symmetry_section(d: Derivation) -> str:
@@ -133,11 +145,11 @@ def reduction_section(d: Derivation) -> str:
             named = [(f"(M_{{L-1}})_{{{a},{b}}}", mix[a, b]) for a in range(mix.shape[0]) for b in range(mix.shape[1])]
             named.append((r"\det M_{L-1}", red.det_mixing))
             lines.append("Mixing matrix of the earlier layers and its determinant:")
-            lines.append(_align(latex_cse(named)))
+            lines.append(_align(latex_program(d.program, named)))
     named = [(f"z_{{{k},{t}}}^{{({i})}}", e) for i, br in enumerate(red.branches) for (k, t), e in zip(red.solved, br)]
     named += [(f"\\log J^{{({i})}}", e) for i, e in enumerate(red.log_jacobian)]
     lines.append(f"Solved entries and weight factors on each of the {len(red.branches)} branches:")
-    lines.append(_align(latex_cse(named)))
+    lines.append(_align(latex_program(d.program, named)))
     lines.append("Denoiser integral in the reduced variables (normalised Gaussians; the $y\\leftrightarrow h$ "
                  "Jacobian, independent of $\\omega$ and $V$, is left out):")
     du = r"\,du" if red.integral_dim else ""

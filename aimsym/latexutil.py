@@ -9,8 +9,8 @@ import sympy as sp
 _Z = re.compile(r"^z_(\d+)_(\d+)$")
 
 
-def _symbol_names(exprs) -> dict:
-    names = {}
+def _symbol_names(exprs, extra: dict | None = None) -> dict:
+    names = dict(extra or {})
     for e in exprs:
         for s in e.free_symbols:
             m = _Z.match(s.name)
@@ -20,6 +20,9 @@ def _symbol_names(exprs) -> dict:
                 names[s] = f"h_{{{s.name[2:]}}}"
             elif re.match(r"^y_(\d+)$", s.name):
                 names[s] = f"y_{{{s.name[2:]}}}"
+            elif s.name.startswith("_d") and "__" in s.name and s not in names:
+                base, _, i = s.name[2:].rpartition("__")
+                names[s] = rf"\partial_{{{i}}}\mathrm{{{base.strip('_').replace('_', ' ')}}}"
     return names
 
 
@@ -28,17 +31,13 @@ def latex(expr, **kw) -> str:
     return sp.latex(expr, symbol_names=_symbol_names(exprs), **kw)
 
 
-def latex_cse(named: list[tuple[str, sp.Expr]], max_chars: int = 20000) -> list[str]:
-    """Aligned LaTeX lines ``x_i = ...`` then ``name = ...`` after common subexpression
-    elimination, so that large links stay readable and of bounded size."""
+def latex_program(program, named: list[tuple[str, sp.Expr]], max_chars: int = 20000) -> list[str]:
+    """Aligned LaTeX lines: the program definitions the named expressions need, then them."""
     exprs = [e for _, e in named]
-    repl, reduced = sp.cse(exprs, symbols=sp.numbered_symbols("x"), optimizations="basic")
-    names = _symbol_names(exprs)
-    lines = []
-    for sym, sub in repl:
-        lines.append(f"{sp.latex(sym)} &= {sp.latex(sub, symbol_names=names)}")
-    for (name, _), e in zip(named, reduced):
-        lines.append(f"{name} &= {sp.latex(e, symbol_names=names)}")
+    defs = program.closure(exprs)
+    names = _symbol_names(exprs + [e for _, e in defs] + [s for s, _ in defs], program.latex_names)
+    lines = [f"{names.get(sym, sp.latex(sym))} &= {sp.latex(e, symbol_names=names)}" for sym, e in defs]
+    lines += [f"{name} &= {sp.latex(e, symbol_names=names)}" for name, e in named]
     out, total = [], 0
     for ln in lines:
         total += len(ln)

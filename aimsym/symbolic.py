@@ -60,17 +60,65 @@ class Reduction:
         return len(self.free)
 
 
+class Program:
+    """Straight-line program: intermediate definitions ``(symbol, expr)`` in dependency order.
+
+    Deep attention links are nested softmaxes of mixing products; written out in full they
+    grow exponentially with depth (a three-layer T = 4 link has ~10^5 operations per entry).
+    Naming every intermediate (queries, logits, attention entries, mixing products) keeps each
+    expression small: derivation, differentiation, printing and compilation stay fast.
+    Intermediate names start with ``_`` (user parameter names start with a letter).
+    """
+
+    def __init__(self):
+        self.defs: list[tuple[sp.Symbol, sp.Expr]] = []
+        self.latex_names: dict[sp.Symbol, str] = {}
+
+    def define(self, name: str, expr, latex_name: str | None = None) -> sp.Expr:
+        expr = sp.sympify(expr)
+        if expr.is_Atom or (expr.is_Mul and len(expr.args) == 2 and all(a.is_Atom for a in expr.args)):
+            return expr
+        sym = sp.Symbol(name, real=True)
+        self.defs.append((sym, expr))
+        if latex_name:
+            self.latex_names[sym] = latex_name
+        return sym
+
+    def matrix(self, stem: str, M: sp.Matrix, latex_stem: str | None = None) -> sp.Matrix:
+        return sp.Matrix(M.shape[0], M.shape[1], lambda a, b: self.define(
+            f"_{stem}_{a}_{b}", M[a, b], f"{latex_stem}_{{{a + 1}{b + 1}}}" if latex_stem else None))
+
+    def closure(self, exprs) -> list[tuple[sp.Symbol, sp.Expr]]:
+        """The definitions ``exprs`` depend on, in order."""
+        need = set()
+        for e in exprs:
+            need |= sp.sympify(e).free_symbols
+        out = []
+        for sym, e in reversed(self.defs):
+            if sym in need:
+                out.append((sym, e))
+                need |= e.free_symbols
+        return out[::-1]
+
+    def expand(self, expr) -> sp.Expr:
+        """``expr`` with every intermediate substituted (can be very large for deep models)."""
+        for sym, e in reversed(self.closure([expr])):
+            expr = expr.xreplace({sym: e})
+        return expr
+
+
 @dataclass
 class Derivation:
     spec: Spec
     Z: sp.Matrix  # p x T index symbols
-    link: sp.Matrix  # output (matrix; a scalar link is 1 x 1)
+    link: sp.Matrix  # output in terms of Z, parameters and the program's intermediates
     params: tuple[sp.Symbol, ...]
     labels: list[IndexLabel]
     symmetries: list[dict]
     reduction: Reduction | None
     reduction_reason: str
     output_shape: tuple[int, ...]
+    program: Program = field(default_factory=Program)
 
     @property
     def p(self) -> int:
@@ -81,17 +129,52 @@ class Derivation:
         return self.Z.shape[1]
 
     @functools.cached_property
-    def jacobian(self) -> sp.Array:
-        """dg/dZ as an array of shape output_shape + (p, T)."""
-        flat = list(self.link)
+    def jacobian_program(self) -> tuple[list[tuple[sp.Symbol, sp.Expr]], list[list[sp.Expr]]]:
+        """Forward-mode chain rule through the program: (derivative definitions, J) with
+        J[a*cols + b][k*T + t] = d y_{a,b} / d z_{k,t} in terms of (derivative) intermediates."""
         zs = list(self.Z)
-        J = [[sp.diff(g, z) for z in zs] for g in flat]
-        return sp.Array(J).reshape(*self.link.shape, self.p, self.tokens)
+        n = len(zs)
+        deriv: dict[sp.Symbol, list] = {z: [sp.Integer(int(i == j)) for j in range(n)] for i, z in enumerate(zs)}
+        defs = []
+
+        def grad(e):
+            deps = [x for x in e.free_symbols if x in deriv]
+            parts = [(sp.diff(e, x), deriv[x]) for x in deps]
+            return [sp.Add(*[pe * dx[i] for pe, dx in parts if dx[i] != 0 and pe != 0]) for i in range(n)]
+
+        for sym, e in self.program.defs:
+            row = []
+            for i, g in enumerate(grad(e)):
+                row.append(g if g.is_Atom else self._dsym(sym, i, g, defs))
+            deriv[sym] = row
+        J = [grad(g) for g in self.link]
+        return defs, J
+
+    @staticmethod
+    def _dsym(sym, i, g, defs):
+        d = sp.Symbol(f"_d{sym.name}__{i}", real=True)
+        defs.append((d, g))
+        return d
+
+    @property
+    def jacobian(self) -> sp.Array:
+        """dg/dZ in full, shape output_shape + (p, T) (expands the program: small models only)."""
+        defs, J = self.jacobian_program
+        prog = Program()
+        prog.defs = self.program.defs + defs
+        flat = [prog.expand(e) for row in J for e in row]
+        return sp.Array(flat).reshape(*self.link.shape, self.p, self.tokens)
 
     @functools.cached_property
     def numeric_link(self):
-        """numpy function ``f(Z, params) -> y`` lambdified from the SymPy link (with cse)."""
-        return _lambdify(self)
+        """numpy function ``f(Z, params) -> y`` (Z of shape (..., p, T)) from the program."""
+        return numeric_function(self, list(self.link), self.link.shape)
+
+    @functools.cached_property
+    def numeric_jacobian(self):
+        defs, J = self.jacobian_program
+        flat = [e for row in J for e in row]
+        return numeric_function(self, flat, (*self.link.shape, self.p, self.tokens), extra_defs=defs)
 
     def summary(self) -> dict:
         red = self.reduction
@@ -170,10 +253,10 @@ def layout(spec: AttentionSpec) -> list[IndexLabel]:
     return labels
 
 
-def attention_forward(spec: AttentionSpec, Z: sp.Matrix, stop_before_last: bool = False):
-    """Mixing products of theory section 2 on the index matrix Z.
+def attention_forward(spec: AttentionSpec, Z: sp.Matrix, prog: Program, upto: int | None = None):
+    """Mixing products of theory section 2 on the index matrix Z, as program intermediates.
 
-    Returns (S_L, M_{L-1}, M_L); with ``stop_before_last`` only M_{L-1} is meaningful.
+    Returns the list of (S_l, M_l) for l = 1..L (or 1..upto); M_0 = I.
     """
     T = spec.tokens
     labels = layout(spec)
@@ -181,22 +264,31 @@ def attention_forward(spec: AttentionSpec, Z: sp.Matrix, stop_before_last: bool 
     for k, lb in enumerate(labels):
         rows.setdefault((lb.layer, lb.head, lb.role), []).append(k)
     M = sp.eye(T)
-    M_prev = M
-    S_total = None
+    out = []
     for l, layer in enumerate(spec.layers, start=1):
-        M_prev = M
-        if stop_before_last and l == len(spec.layers):
+        if upto is not None and l > upto:
             break
         beta = param_symbol(layer.beta)
         S_total = sp.zeros(T, T)
+        H = layer.heads
         for h, a in enumerate(layer.head_weights()):
+            tag = f"{l}" if H == 1 else f"{l}h{h + 1}"
+            ltag = f"{l}" if H == 1 else f"{l},{h + 1}"
             zq = Z.extract(rows[(l, h, "w" if layer.tied else "q")], list(range(T)))
-            zk = zq if layer.tied else Z.extract(rows[(l, h, "k")], list(range(T)))
-            q = M * zq.T  # T x r: queries of the current tokens, in index form
-            k = q if layer.tied else M * zk.T
-            S_total += param_symbol(a) * activate(layer.activation, beta * (q * k.T))
-        M = (param_symbol(layer.skip) * sp.eye(T) + S_total) * M  # M_l = (c_l I + S_l) M_{l-1}
-    return S_total, M_prev, M
+            q = prog.matrix(f"q{tag}", M * zq.T, f"q^{{({ltag})}}")  # T x r: queries in index form
+            if layer.tied:
+                k = q
+            else:
+                zk = Z.extract(rows[(l, h, "k")], list(range(T)))
+                k = prog.matrix(f"k{tag}", M * zk.T, f"k^{{({ltag})}}")
+            logits = prog.matrix(f"A{tag}", beta * (q * k.T), f"A^{{({ltag})}}")
+            S = prog.matrix(f"S{tag}", activate(layer.activation, logits), f"S^{{({ltag})}}")
+            S_total += param_symbol(a) * S
+        if H > 1:
+            S_total = prog.matrix(f"S{l}", S_total, f"S^{{({l})}}")
+        M = prog.matrix(f"M{l}", (param_symbol(layer.skip) * sp.eye(T) + S_total) * M, f"M^{{({l})}}")
+        out.append((S_total, M))
+    return out
 
 
 def derive(spec: Spec) -> Derivation:
@@ -206,13 +298,16 @@ def derive(spec: Spec) -> Derivation:
 
 @functools.lru_cache(maxsize=64)
 def _derive(spec: Spec) -> Derivation:
+    prog = Program()
     if isinstance(spec, AttentionSpec):
         p, T = spec.p, spec.tokens
         Z = index_matrix(p, T)
-        S_L, _, M_L = attention_forward(spec, Z)
+        layers = attention_forward(spec, Z, prog)
+        S_L, M_L = layers[-1]
         link = S_L if spec.output == "attention" else M_L
         labels = layout(spec)
-        reduction, reason = _attention_reduction(spec, Z)
+        M_prev = layers[-2][1] if len(layers) > 1 else sp.eye(T)
+        reduction, reason = _attention_reduction(spec, M_prev)
     else:
         p, T = spec.indices, spec.tokens
         Z = index_matrix(p, T)
@@ -233,6 +328,7 @@ def _derive(spec: Spec) -> Derivation:
         reduction=reduction,
         reduction_reason=reason,
         output_shape=spec.output_shape,
+        program=prog,
     )
     d.symmetries = detect_symmetries(d)
     return d
@@ -241,7 +337,7 @@ def _derive(spec: Spec) -> Derivation:
 # ----------------------------------------------------------------------------- reduction
 
 
-def _attention_reduction(spec: AttentionSpec, Z: sp.Matrix):
+def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix):
     last = spec.layers[-1]
     why = []
     if spec.output != "attention":
@@ -258,7 +354,6 @@ def _attention_reduction(spec: AttentionSpec, Z: sp.Matrix):
         return None, "no exact reduction: " + "; ".join(why)
     T = spec.tokens
     p = spec.p
-    _, M_prev, _ = attention_forward(spec, Z, stop_before_last=True)
     h = [sp.Symbol(f"h_{t}", real=True) for t in range(T)]
     hv = sp.Matrix(h)
     free = [(k, t) for k in range(p - 1) for t in range(T)]
@@ -358,20 +453,41 @@ def _nonneg(g: sp.Expr) -> bool:
 # ----------------------------------------------------------------------------- numerics
 
 
-def _lambdify(d: Derivation):
-    args = [list(d.Z), list(d.params)]
-    f = sp.lambdify(args, d.link, modules=[{"Heaviside": _np_heaviside}, "numpy"], cse=True)
+def numeric_function(d: Derivation, outputs, shape, extra_defs=()):
+    """A numpy function ``f(Z, params=()) -> array (..., *shape)`` evaluating ``outputs``
+    through the program. The source is printed from SymPy objects built by aimsym itself
+    (free-form links are parsed without eval), so compiling it runs no user code."""
+    from sympy.printing.numpy import NumPyPrinter
 
-    def link(Zv, params=()):
+    class _Printer(NumPyPrinter):
+        def _print_Heaviside(self, expr):
+            return f"numpy.heaviside({self._print(expr.args[0])}, 0.5)"
+
+        def _print_DiracDelta(self, expr):
+            return "0.0"
+
+    pr = _Printer({"fully_qualified_modules": True})
+    prog = Program()
+    prog.defs = list(d.program.defs) + list(extra_defs)
+    lines = ["def _f(Z, params):"]
+    lines += [f"    {z.name} = Z[..., {k}, {t}]" for k in range(d.p) for t in range(d.tokens)
+              for z in [d.Z[k, t]]]
+    lines += [f"    {s.name} = params[{i}]" for i, s in enumerate(d.params)]
+    lines += [f"    {sym.name} = {pr.doprint(e)}" for sym, e in prog.closure(outputs)]
+    lines.append("    return [" + ", ".join(pr.doprint(e) for e in outputs) + "]")
+    namespace = {"numpy": np}
+    exec(compile("\n".join(lines), f"<aimsym {d.spec.name}>", "exec"), namespace)  # noqa: S102
+    f = namespace["_f"]
+
+    def fn(Zv, params=()):
         Zv = np.asarray(Zv, dtype=float)
-        out = f(list(Zv.reshape(-1)), list(params))
-        return np.asarray(out, dtype=float).reshape(d.link.shape)
+        with np.errstate(over="ignore"):
+            vals = f(Zv, np.asarray(params, dtype=float))
+        batch = Zv.shape[:-2]
+        vals = [np.broadcast_to(np.asarray(v, dtype=float), batch) for v in vals]
+        return np.stack(vals, axis=-1).reshape(*batch, *shape)
 
-    return link
-
-
-def _np_heaviside(x, h0=0.5):
-    return np.heaviside(x, h0)
+    return fn
 
 
 def detect_symmetries(d: Derivation, n_points: int = 6, seed: int = 12345) -> list[dict]:

@@ -2,7 +2,7 @@
 
 model: attention_L1_T2
 spec hash: c3efac14bf93124d
-generator: 0.1.0+4bc04fbc2f
+generator: 0.1.0+88fe1cd352
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'c3efac14bf93124d'
-GENERATOR_VERSION = '0.1.0+4bc04fbc2f'
+GENERATOR_VERSION = '0.1.0+88fe1cd352'
 NAME = 'attention_L1_T2'
 P = 1
 T = 2
@@ -44,6 +44,8 @@ N_BRANCHES = 2
 FREE = ()
 SOLVED = ((0, 0), (0, 1))
 INTEGRAL_DIM = 0
+FREE_K = np.array([], dtype=np.int64)
+FREE_T = np.array([], dtype=np.int64)
 EVEN_ROWS = ((0,),)
 
 
@@ -64,26 +66,34 @@ def link(Z, params, out):
 
     .. math::
 
-        x_{0} &= z_{0,0} - z_{0,1} \\
-        x_{1} &= - x_{0} \\
-        x_{2} &= \beta z_{0,0} \\
-        x_{3} &= \beta z_{0,1} \\
-        y_{0,0} &= \frac{1}{e^{x_{1} x_{2}} + 1} \\
-        y_{0,1} &= \frac{1}{e^{x_{0} x_{2}} + 1} \\
-        y_{1,0} &= \frac{1}{e^{x_{1} x_{3}} + 1} \\
-        y_{1,1} &= \frac{1}{e^{x_{0} x_{3}} + 1} \\
+        A^{(1)}_{11} &= \beta z_{0,0}^{2} \\
+        A^{(1)}_{12} &= \beta z_{0,0} z_{0,1} \\
+        A^{(1)}_{21} &= \beta z_{0,0} z_{0,1} \\
+        A^{(1)}_{22} &= \beta z_{0,1}^{2} \\
+        S^{(1)}_{11} &= \frac{1}{e^{- A^{(1)}_{11} + A^{(1)}_{12}} + 1} \\
+        S^{(1)}_{12} &= \frac{1}{e^{A^{(1)}_{11} - A^{(1)}_{12}} + 1} \\
+        S^{(1)}_{21} &= \frac{1}{e^{- A^{(1)}_{21} + A^{(1)}_{22}} + 1} \\
+        S^{(1)}_{22} &= \frac{1}{e^{A^{(1)}_{21} - A^{(1)}_{22}} + 1} \\
+        y_{0,0} &= S^{(1)}_{11} \\
+        y_{0,1} &= S^{(1)}_{12} \\
+        y_{1,0} &= S^{(1)}_{21} \\
+        y_{1,1} &= S^{(1)}_{22} \\
     """
     z_0_0 = Z[0, 0]
     z_0_1 = Z[0, 1]
     beta = params[0]
-    x0 = z_0_0 - z_0_1
-    x1 = -x0
-    x2 = beta*z_0_0
-    x3 = beta*z_0_1
-    out[0, 0] = 1/(math.exp(x1*x2) + 1)
-    out[0, 1] = 1/(math.exp(x0*x2) + 1)
-    out[1, 0] = 1/(math.exp(x1*x3) + 1)
-    out[1, 1] = 1/(math.exp(x0*x3) + 1)
+    _A1_0_0 = beta*z_0_0**2
+    _A1_0_1 = beta*z_0_0*z_0_1
+    _A1_1_0 = beta*z_0_0*z_0_1
+    _A1_1_1 = beta*z_0_1**2
+    _S1_0_0 = 1/(math.exp(-_A1_0_0 + _A1_0_1) + 1)
+    _S1_0_1 = 1/(math.exp(_A1_0_0 - _A1_0_1) + 1)
+    _S1_1_0 = 1/(math.exp(-_A1_1_0 + _A1_1_1) + 1)
+    _S1_1_1 = 1/(math.exp(_A1_1_0 - _A1_1_1) + 1)
+    out[0, 0] = _S1_0_0
+    out[0, 1] = _S1_0_1
+    out[1, 0] = _S1_1_0
+    out[1, 1] = _S1_1_1
 
 
 @njit(cache=True)
@@ -94,29 +104,32 @@ def link_jacobian(Z, params, out):
     z_0_0 = Z[0, 0]
     z_0_1 = Z[0, 1]
     beta = params[0]
-    x0 = -z_0_1
-    x1 = x0 + z_0_0
-    x2 = -x1
-    x3 = beta*z_0_0
-    x4 = math.exp(x2*x3)
-    x5 = x4/(x4 + 1)**2
-    x6 = beta*(x0 + 2*z_0_0)
-    x7 = math.exp(x1*x3)
-    x8 = x7/(x7 + 1)**2
-    x9 = beta*z_0_1
-    x10 = math.exp(x2*x9)
-    x11 = x10/(x10 + 1)**2
-    x12 = beta*(z_0_0 - 2*z_0_1)
-    x13 = math.exp(x1*x9)
-    x14 = x13/(x13 + 1)**2
-    out[0, 0, 0, 0] = x5*x6
-    out[0, 0, 0, 1] = -x3*x5
-    out[0, 1, 0, 0] = -x6*x8
-    out[0, 1, 0, 1] = x3*x8
-    out[1, 0, 0, 0] = x11*x9
-    out[1, 0, 0, 1] = x11*x12
-    out[1, 1, 0, 0] = -x14*x9
-    out[1, 1, 0, 1] = -x12*x14
+    _A1_0_0 = beta*z_0_0**2
+    _A1_0_1 = beta*z_0_0*z_0_1
+    _A1_1_0 = beta*z_0_0*z_0_1
+    _A1_1_1 = beta*z_0_1**2
+    _d_A1_0_0__0 = 2*beta*z_0_0
+    _d_A1_0_1__0 = beta*z_0_1
+    _d_A1_0_1__1 = beta*z_0_0
+    _d_A1_1_0__0 = beta*z_0_1
+    _d_A1_1_0__1 = beta*z_0_0
+    _d_A1_1_1__1 = 2*beta*z_0_1
+    _d_S1_0_0__0 = _d_A1_0_0__0*math.exp(-_A1_0_0 + _A1_0_1)/(math.exp(-_A1_0_0 + _A1_0_1) + 1)**2 - _d_A1_0_1__0*math.exp(-_A1_0_0 + _A1_0_1)/(math.exp(-_A1_0_0 + _A1_0_1) + 1)**2
+    _d_S1_0_0__1 = -_d_A1_0_1__1*math.exp(-_A1_0_0 + _A1_0_1)/(math.exp(-_A1_0_0 + _A1_0_1) + 1)**2
+    _d_S1_0_1__0 = -_d_A1_0_0__0*math.exp(_A1_0_0 - _A1_0_1)/(math.exp(_A1_0_0 - _A1_0_1) + 1)**2 + _d_A1_0_1__0*math.exp(_A1_0_0 - _A1_0_1)/(math.exp(_A1_0_0 - _A1_0_1) + 1)**2
+    _d_S1_0_1__1 = _d_A1_0_1__1*math.exp(_A1_0_0 - _A1_0_1)/(math.exp(_A1_0_0 - _A1_0_1) + 1)**2
+    _d_S1_1_0__0 = _d_A1_1_0__0*math.exp(-_A1_1_0 + _A1_1_1)/(math.exp(-_A1_1_0 + _A1_1_1) + 1)**2
+    _d_S1_1_0__1 = _d_A1_1_0__1*math.exp(-_A1_1_0 + _A1_1_1)/(math.exp(-_A1_1_0 + _A1_1_1) + 1)**2 - _d_A1_1_1__1*math.exp(-_A1_1_0 + _A1_1_1)/(math.exp(-_A1_1_0 + _A1_1_1) + 1)**2
+    _d_S1_1_1__0 = -_d_A1_1_0__0*math.exp(_A1_1_0 - _A1_1_1)/(math.exp(_A1_1_0 - _A1_1_1) + 1)**2
+    _d_S1_1_1__1 = -_d_A1_1_0__1*math.exp(_A1_1_0 - _A1_1_1)/(math.exp(_A1_1_0 - _A1_1_1) + 1)**2 + _d_A1_1_1__1*math.exp(_A1_1_0 - _A1_1_1)/(math.exp(_A1_1_0 - _A1_1_1) + 1)**2
+    out[0, 0, 0, 0] = _d_S1_0_0__0
+    out[0, 0, 0, 1] = _d_S1_0_0__1
+    out[0, 1, 0, 0] = _d_S1_0_1__0
+    out[0, 1, 0, 1] = _d_S1_0_1__1
+    out[1, 0, 0, 0] = _d_S1_1_0__0
+    out[1, 0, 0, 1] = _d_S1_1_0__1
+    out[1, 1, 0, 0] = _d_S1_1_1__0
+    out[1, 1, 0, 1] = _d_S1_1_1__1
 
 
 @njit(cache=True)
@@ -314,7 +327,7 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
     """
     p = P
     nt = T
-    D = len(FREE)
+    D = INTEGRAL_DIM
     pt = p * nt
     Lv = np.empty((p, p))
     if not _cholesky(V, Lv):
@@ -329,16 +342,16 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
     Lb = np.zeros((N_BRANCHES, D, D))
     C0 = np.empty((D, D))
     for i in range(D):
-        ki, ti = FREE[i]
+        ki, ti = FREE_K[i], FREE_T[i]
         for j in range(D):
-            kj, tj = FREE[j]
+            kj, tj = FREE_K[j], FREE_T[j]
             C0[i, j] = V[ki, kj] if ti == tj else 0.0
     L0 = np.empty((D, D))
     if D > 0 and not _cholesky(C0, L0):
         return STATUS_BAD_V
     for b in range(N_BRANCHES):
         for i in range(D):
-            m[b, i] = omega[FREE[i][0], FREE[i][1]]
+            m[b, i] = omega[FREE_K[i], FREE_T[i]]
             for j in range(D):
                 Lb[b, i, j] = L0[i, j]
     z = np.zeros((p, nt))

@@ -2,7 +2,7 @@
 
 model: mim_product
 spec hash: 256c784af7e77580
-generator: 0.1.0+4bc04fbc2f
+generator: 0.1.0+88fe1cd352
 denoiser path: exact (solved y = g(Z) for z_1_0 (1 branch))
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '256c784af7e77580'
-GENERATOR_VERSION = '0.1.0+4bc04fbc2f'
+GENERATOR_VERSION = '0.1.0+88fe1cd352'
 NAME = 'mim_product'
 P = 2
 T = 1
@@ -37,6 +37,8 @@ N_BRANCHES = 1
 FREE = ((0, 0),)
 SOLVED = ((1, 0),)
 INTEGRAL_DIM = 1
+FREE_K = np.array([0], dtype=np.int64)
+FREE_T = np.array([0], dtype=np.int64)
 EVEN_ROWS = ()
 
 
@@ -260,7 +262,7 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
     """
     p = P
     nt = T
-    D = len(FREE)
+    D = INTEGRAL_DIM
     pt = p * nt
     Lv = np.empty((p, p))
     if not _cholesky(V, Lv):
@@ -275,16 +277,16 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
     Lb = np.zeros((N_BRANCHES, D, D))
     C0 = np.empty((D, D))
     for i in range(D):
-        ki, ti = FREE[i]
+        ki, ti = FREE_K[i], FREE_T[i]
         for j in range(D):
-            kj, tj = FREE[j]
+            kj, tj = FREE_K[j], FREE_T[j]
             C0[i, j] = V[ki, kj] if ti == tj else 0.0
     L0 = np.empty((D, D))
     if D > 0 and not _cholesky(C0, L0):
         return STATUS_BAD_V
     for b in range(N_BRANCHES):
         for i in range(D):
-            m[b, i] = omega[FREE[i][0], FREE[i][1]]
+            m[b, i] = omega[FREE_K[i], FREE_T[i]]
             for j in range(D):
                 Lb[b, i, j] = L0[i, j]
     z = np.zeros((p, nt))
