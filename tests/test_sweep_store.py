@@ -46,7 +46,7 @@ def test_killed_sweep_resumes_without_loss_or_duplicates(tmp_path):
     store = tmp_path / "k.sqlite"
     alphas = ",".join(str(0.2 + 0.1 * i) for i in range(80))
     cmd = [sys.executable, "-m", "aimsym.cli", "sweep", GC, "--set", "Delta=0.5", "--alpha", alphas,
-           "--store", str(store), "--samples", "4096", "--tol", "1e-7", "--workers", "1", "--json"]
+           "--store", str(store), "--samples", "1024", "--tol", "1e-7", "--workers", "1", "--json"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline and (not store.exists() or _count(store) < 3):
