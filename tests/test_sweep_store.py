@@ -44,9 +44,9 @@ def test_sweep_runs_resumes_and_exports(tmp_path):
 
 def test_killed_sweep_resumes_without_loss_or_duplicates(tmp_path):
     store = tmp_path / "k.sqlite"
-    alphas = ",".join(str(0.2 + 0.1 * i) for i in range(80))
+    alphas = ",".join(str(0.2 + 0.1 * i) for i in range(40))
     cmd = [sys.executable, "-m", "aimsym.cli", "sweep", GC, "--set", "Delta=0.5", "--alpha", alphas,
-           "--store", str(store), "--samples", "1024", "--tol", "1e-7", "--workers", "1", "--json"]
+           "--store", str(store), "--samples", "4096", "--tol", "1e-7", "--workers", "1", "--json"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline and (not store.exists() or _count(store) < 3):
@@ -54,11 +54,11 @@ def test_killed_sweep_resumes_without_loss_or_duplicates(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     partial = _count(store)
-    assert 3 <= partial < 80
+    assert 3 <= partial < 40
     subprocess.run(cmd, check=True, capture_output=True)
-    assert _count(store) == 80
+    assert _count(store) == 40
     rows = sweep.table(store)
-    assert len({r["alpha"] for r in rows}) == 80
+    assert len({r["alpha"] for r in rows}) == 40
 
 
 def test_process_pool(tmp_path):
