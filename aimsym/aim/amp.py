@@ -229,3 +229,10 @@ def run_many(alpha, rho, d, tokens=2, activation="softmax", beta=1.0, seeds=(0,)
         "mmse_se": se_res.mmse, "seconds_per_iteration": float(np.mean(secs)),
         "provenance": provenance(seed=list(seeds), accuracy={"iterations": iterations, "damping": damping}),
     }
+
+
+def to_matrix_from_vector(y, tokens):
+    """Linear-channel labels (unique entries) -> symmetric T x T matrices."""
+    from .channels import to_matrix
+
+    return to_matrix(np.asarray(y), tokens)
