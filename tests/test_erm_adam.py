@@ -19,6 +19,8 @@ def test_adam_small_d_matches_prediction():
     assert abs(test - fp.test) < 0.1 * fp.test, (test, fp.test)
     assert abs(train_err - fp.train) < 0.35 * fp.train, (train_err, fp.train)
     assert abs(np.mean([r.rank for r in runs]) - fp.rank) < 0.1
+    clean = np.mean([r.test_clean for r in runs])
+    assert abs(clean - fp.test_clean) < 0.15 * fp.test_clean, (clean, fp.test_clean)
     assert ks_distance(fp, runs[0].eigenvalues) < 0.2
 
 

@@ -12,11 +12,11 @@ from .spectrum import ks_distance, spectrum
 from .train import train
 
 FIGURES = ("lam", "models", "spectra", "rank", "beta_T", "seq")
-ACC = Accuracy(gh_nodes=10, gh_final_nodes=14, gh_test_nodes=24, tol=1e-5, qmc_log2=10)
+ACC = Accuracy(gh_nodes=14, gh_final_nodes=18, gh_test_nodes=24, tol=1e-5, qmc_log2=10)
 BASE = dict(tokens=2, kappa0=0.5, Delta=0.5)
 
 
-def _grid(quick, lo=0.02, hi=2.0, n=14):
+def _grid(quick, lo=0.02, hi=2.0, n=12):
     return np.geomspace(lo, hi, 4 if quick else n)
 
 
@@ -73,7 +73,7 @@ def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, qu
             else:
                 ax.errorbar(pts[:, 0] * (1.04 if i == 1 and figure == "seq" else 1), pts[:, 1],
                             yerr=pts[:, 2], fmt="o" if i == 0 or figure != "seq" else "s",
-                            color=color, ms=4, capsize=2, label=f"Adam d={d}, {seeds} seeds")
+                            color=color, ms=4, capsize=2, label=f"Adam {label}, d={d}, {seeds} seeds")
         ax.set_xscale("log")
         ax.set_xlabel("alpha = n / d^2")
         ax.set_ylabel("predicted rank of S (1 - delta peak)" if figure == "rank" else "test error")

@@ -37,9 +37,9 @@ from .quadrature import Rule, expect, gauss_hermite, rqmc
 class Accuracy:
     """Quadrature and iteration settings (recorded with every result)."""
 
-    gh_nodes: int = 12          # Gauss-Hermite nodes per dimension in the iteration (T = 2)
+    gh_nodes: int = 16          # Gauss-Hermite nodes per dimension in the iteration (T = 2)
     gh_test_nodes: int = 32     # finer rule for the final (prox-free) test error
-    gh_final_nodes: int = 20    # finer rule for the final conjugates and training error
+    gh_final_nodes: int = 24    # finer rule for the final conjugates and training error
     qmc_log2: int = 12          # 2^k Sobol points per replicate (T >= 3)
     qmc_replicates: int = 4
     qmc_seed: int = 0
@@ -48,6 +48,7 @@ class Accuracy:
     damping: float = 0.3        # weight of the old iterate
     prior_nodes: int = 160
     rule_kind: str = "auto"     # auto | gauss-hermite | rqmc
+    anderson: int = 3           # Anderson acceleration depth of the outer iteration (0: off)
 
     def rule(self, T: int, final: str | None = None) -> Rule:
         """Rule for the iteration, or final='prox' / 'test' for the finer final evaluations."""
@@ -118,9 +119,11 @@ def test_errors(params: ERMParams, q: float, m: float, rule: Rule) -> dict:
     ystar, z, zstar, a, b = fields(params, q, m, rule)
     P = softmax_rows(params.beta * to_matrix(z, params.tokens))
     Y = labels(params, ystar)
-    Yc = softmax_rows(params.beta0 * to_matrix(zstar_clean(params, q, m, rule), params.tokens))
+    zc, zs = clean_fields(params, q, m, rule)
+    Pc = softmax_rows(params.beta * to_matrix(zs, params.tokens))
+    Yc = softmax_rows(params.beta0 * to_matrix(zc, params.tokens))
     return {"test": np.asarray(expect(((P - Y) ** 2).sum((-1, -2)), rule)),
-            "test_clean": np.asarray(expect(((P - Yc) ** 2).sum((-1, -2)), rule))}
+            "test_clean": np.asarray(expect(((Pc - Yc) ** 2).sum((-1, -2)), rule))}
 
 
 def output_step(params: ERMParams, alpha: float, q: float, m: float, Sigma: float, rule: Rule,
@@ -160,22 +163,42 @@ def output_step(params: ERMParams, alpha: float, q: float, m: float, Sigma: floa
     return out
 
 
-def zstar_clean(params, q, m, rule):
-    """Noise-free teacher field with the same student field z (for the clean test error)."""
-    ystar, z, zstar, a, b = fields(params, q, m, rule)
-    if params.Delta == 0:
-        return ystar
-    # draw the residual of z* given z with the rule's nodes: z* = (m/q) z + sqrt(Q0 - m^2/q) g
+def clean_fields(params: ERMParams, q: float, m: float, rule: Rule):
+    """Noise-free teacher field z* and student field z, jointly N(0, [[Q0, m], [m, q]])."""
     B = learned_basis(params.tokens)
-    g = rule.g[..., 0, :] @ B.T
-    if q <= 0:
-        return np.sqrt(params.Q0) * g
-    gz = (z / np.sqrt(q))
-    return (m / np.sqrt(q)) * gz + np.sqrt(max(params.Q0 - m * m / q, 0.0)) * g
+    g1, g2 = rule.g[..., 0, :] @ B.T, rule.g[..., 1, :] @ B.T
+    zstar = np.sqrt(params.Q0) * g1
+    z = (m / params.Q0) * zstar + np.sqrt(max(q - m * m / params.Q0, 0.0)) * g2
+    return zstar, z
 
 
 def _zero_predictor(params: ERMParams, alpha: float, rule: Rule, **kw) -> dict:
     return output_step(params, alpha, 0.0, 0.0, 0.0, rule, **kw)
+
+
+def _anderson(hist, old, new, mix, Q0, depth):
+    """Anderson-accelerated update of x = (log q, m, log Sigma) from x -> g(x); falls back to the
+    damped step old + mix (new - old) when the extrapolation is not admissible."""
+    damped = old + mix * (new - old)
+    if depth <= 0 or min(old[0], old[2], new[0], new[2]) <= 0:
+        hist.clear()
+        return damped
+    x = np.array([np.log(old[0]), old[1], np.log(old[2])])
+    gx = np.array([np.log(new[0]), new[1], np.log(new[2])])
+    f = gx - x
+    hist.append((x, f))
+    del hist[:-(depth + 1)]
+    if len(hist) < 2:
+        return damped
+    dX = np.array([hist[i + 1][0] - hist[i][0] for i in range(len(hist) - 1)]).T
+    dF = np.array([hist[i + 1][1] - hist[i][1] for i in range(len(hist) - 1)]).T
+    gamma = np.linalg.lstsq(dF, f, rcond=1e-10)[0]
+    y = x + mix * f - (dX + mix * dF) @ gamma
+    cand = np.array([np.exp(y[0]), y[1], np.exp(y[2])])
+    if not np.all(np.isfinite(cand)) or cand[1] ** 2 > cand[0] * Q0 or np.any(np.abs(y - x) > 2.0):
+        hist.clear()
+        return damped
+    return cand
 
 
 def fixed_point(params: ERMParams, alpha: float, accuracy: Accuracy = Accuracy(), *,
@@ -189,7 +212,8 @@ def fixed_point(params: ERMParams, alpha: float, accuracy: Accuracy = Accuracy()
     q, m, Sigma = init if init is not None else (0.5 * params.Q0, 0.5 * params.Q0, 1.0)
     damp = accuracy.damping
     converged, it = False, 0
-    last, zero_ok = None, None
+    last, zero_ok, prev_change = None, None, None
+    hist: list = []
     for it in range(1, accuracy.max_iter + 1):
         out = output_step(params, alpha, q, m, Sigma, rule)
         qh, mh, sh = (float(out[k][0]) for k in ("q_hat", "m_hat", "Sigma_hat"))
@@ -217,10 +241,16 @@ def fixed_point(params: ERMParams, alpha: float, accuracy: Accuracy = Accuracy()
                 last = (z_out, z_pr, zq, zm, zs)
                 converged = True
                 break
-        q, m, Sigma = upd
+        # adaptive damping: an increase of the step size signals oscillation
+        if it > 5 and change > prev_change:
+            damp = min(0.9, 0.5 * (1.0 + damp))
+            hist.clear()
+        prev_change = change
         if change < accuracy.tol:
+            q, m, Sigma = upd
             converged = True
             break
+        q, m, Sigma = _anderson(hist, old, new, 1.0 - damp, params.Q0, accuracy.anderson)
     coarse = output_step(params, alpha, q, m, Sigma, rule, with_test=True)
     out = output_step(params, alpha, q, m, Sigma, accuracy.rule(params.tokens, "prox"))
     out.update(test_errors(params, q, m, accuracy.rule(params.tokens, "test")))
