@@ -148,7 +148,11 @@ def _branch_kernel(d: Derivation) -> list[str]:
         lines += _unpack(d, red.free, "u")
         lines += [f"    {s.name} = obs[{i}]" for i, s in enumerate(red.obs)]
         lines += _unpack_params(d)
-        lines += [f"    z[{k}, {t}] = {d.Z[k, t].name}" for k, t in red.free]
+        for i, (k, t) in enumerate(red.free):
+            if i in red.log_free:  # the slot holds s = log|z|; the sign is the branch's
+                lines.append(f"    z[{k}, {t}] = (1.0 if b < {len(red.branches) // 2} else -1.0) * math.exp({d.Z[k, t].name})")
+            else:
+                lines.append(f"    z[{k}, {t}] = {d.Z[k, t].name}")
         exprs = [e for br in red.branches for e in br] + list(red.log_jacobian)
         body, reduced = _program_block(d, exprs)
         lines += body
@@ -245,6 +249,7 @@ def module_source(spec: Spec) -> str:
         f"INTEGRAL_DIM = {len(free)}",
         f"FREE_K = np.array({[k for k, _ in free]!r}, dtype=np.int64)",
         f"FREE_T = np.array({[t for _, t in free]!r}, dtype=np.int64)",
+        f"FREE_LOG = np.array({[int(i in (red.log_free if red else [])) for i in range(len(free))]!r}, dtype=np.int64)",
         f"EVEN_ROWS = {tuple(tuple(s['rows']) for s in d.symmetries if s['name'] != 'Z -> -Z')!r}",
         "",
         "",

@@ -191,9 +191,18 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
     L0 = np.empty((D, D))
     if D > 0 and not _cholesky(C0, L0):
         return STATUS_BAD_V
+    m0 = np.empty(D)
+    for i in range(D):
+        m0[i] = omega[FREE_K[i], FREE_T[i]]
+        if FREE_LOG[i]:  # slot integrated in s = log|u|: start at the prior's scale of |u|
+            m0[i] = 0.5 * math.log(m0[i] * m0[i] + C0[i, i])
+            for j in range(D):
+                L0[i, j] = 0.0
+                L0[j, i] = 0.0
+            L0[i, i] = 1.0
     for b in range(N_BRANCHES):
         for i in range(D):
-            m[b, i] = omega[FREE_K[i], FREE_T[i]]
+            m[b, i] = m0[i]
             for j in range(D):
                 Lb[b, i, j] = L0[i, j]
     z = np.zeros((p, nt))

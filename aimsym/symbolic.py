@@ -54,6 +54,8 @@ class Reduction:
     activation: str = ""
     beta: sp.Expr | None = None
     notes: list[str] = field(default_factory=list)
+    # positions in ``free`` integrated in s = log|u| (u = +-exp(s) on the branches)
+    log_free: list[int] = field(default_factory=list)
 
     @property
     def integral_dim(self) -> int:
@@ -395,6 +397,14 @@ def _solve_reduction(spec: SMISpec, Z: sp.Matrix, link: sp.Matrix):
         return None, "noisy channel (noise > 0): integrated over all of Z"
     outs = list(link)
     zs = list(Z)
+    if len(outs) == 1 and Z.shape[1] == 1 and isinstance(outs[0], sp.sign) and outs[0].args[0] in zs:
+        z = outs[0].args[0]
+        k = zs.index(z)
+        red = Reduction(kind="halfspace", free=[], solved=[(k, 0)], obs=[sp.Symbol("y_0", real=True)],
+                        branches=[], log_jacobian=[],
+                        notes=["y = sign(z): the posterior is the Gaussian truncated to the half-space "
+                               "y z > 0 (closed form: Gaussian tail ratio)"])
+        return red, f"sign of a single index ({z}): half-space constraint, closed form"
     if any(g.has(sp.sign, sp.Heaviside) or sp.diff(g, z) == 0 and g.has(z) for g in outs for z in zs):
         return None, "piecewise-constant link (region constraint): no point inversion"
     if len(outs) != 1:
@@ -412,10 +422,29 @@ def _solve_reduction(spec: SMISpec, Z: sp.Matrix, link: sp.Matrix):
             continue
         dg = sp.diff(g, z)
         k_t = divmod(zs.index(z), Z.shape[1])
-        free = [divmod(i, Z.shape[1]) for i, zz in enumerate(zs) if zz is not z]
+        free_syms = [zz for zz in zs if zz is not z]
+        free = [divmod(zs.index(zz), Z.shape[1]) for zz in free_syms]
         logj = [-sp.log(sp.Abs(dg.subs(z, s))) for s in sols]
-        red = Reduction(kind="solve", free=free, solved=[k_t], obs=[y],
-                        branches=[[s] for s in sols], log_jacobian=logj)
+        branches = [[s] for s in sols]
+        log_free = []
+        # a solved index with a pole in a free one (z1 = y / z0) makes the integrand singular
+        # at z0 = 0: integrate each side in the variable s = log|z0| instead (smooth in s)
+        poles = [u for u in free_syms if any(sp.denom(sp.together(b)).has(u) for b in sols)]
+        if len(poles) == 1:
+            u = poles[0]
+            sv = sp.Symbol(u.name, real=True)  # the free slot now carries s = log|u|
+            new_b, new_j = [], []
+            for sgn in (1, -1):
+                rep = {u: sgn * sp.exp(sv)}
+                for b, lj in zip(sols, logj):
+                    new_b.append([b.xreplace(rep)])
+                    new_j.append(lj.xreplace(rep) + sv)  # du = |u| ds
+            branches, logj = new_b, new_j
+            log_free = [free_syms.index(u)]
+        red = Reduction(kind="solve", free=free, solved=[k_t], obs=[y], branches=branches,
+                        log_jacobian=logj, log_free=log_free)
+        if log_free:
+            red.notes.append(f"{u} integrated as s = log|{u}| on each sign (pole of the solved index)")
         return red, f"solved y = g(Z) for {z} ({len(sols)} branch{'es' if len(sols) > 1 else ''})"
     return None, "no exact reduction: SymPy found no explicit inverse for any single index"
 

@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_untied
 spec hash: d8a6e2bfe6d0f663
-generator: 0.1.0+88fe1cd352
+generator: 0.1.0+3d75fb8cf6
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: last layer untied (needs tied query/key))
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'd8a6e2bfe6d0f663'
-GENERATOR_VERSION = '0.1.0+88fe1cd352'
+GENERATOR_VERSION = '0.1.0+3d75fb8cf6'
 NAME = 'attention_L2_T2_untied'
 P = 4
 T = 2
@@ -46,6 +46,7 @@ SOLVED = ()
 INTEGRAL_DIM = 8
 FREE_K = np.array([0, 0, 1, 1, 2, 2, 3, 3], dtype=np.int64)
 FREE_T = np.array([0, 1, 0, 1, 0, 1, 0, 1], dtype=np.int64)
+FREE_LOG = np.array([0, 0, 0, 0, 0, 0, 0, 0], dtype=np.int64)
 EVEN_ROWS = ((0, 1), (2, 3))
 
 
@@ -467,9 +468,18 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
     L0 = np.empty((D, D))
     if D > 0 and not _cholesky(C0, L0):
         return STATUS_BAD_V
+    m0 = np.empty(D)
+    for i in range(D):
+        m0[i] = omega[FREE_K[i], FREE_T[i]]
+        if FREE_LOG[i]:  # slot integrated in s = log|u|: start at the prior's scale of |u|
+            m0[i] = 0.5 * math.log(m0[i] * m0[i] + C0[i, i])
+            for j in range(D):
+                L0[i, j] = 0.0
+                L0[j, i] = 0.0
+            L0[i, i] = 1.0
     for b in range(N_BRANCHES):
         for i in range(D):
-            m[b, i] = omega[FREE_K[i], FREE_T[i]]
+            m[b, i] = m0[i]
             for j in range(D):
                 Lb[b, i, j] = L0[i, j]
     z = np.zeros((p, nt))

@@ -2,8 +2,8 @@
 
 model: glm_sign
 spec hash: c64eee4aaf29a557
-generator: 0.1.0+88fe1cd352
-denoiser path: generic (noisy channel, Delta > 0) (piecewise-constant link (region constraint): no point inversion)
+generator: 0.1.0+3d75fb8cf6
+denoiser path: exact (sign of a single index (z_0_0): half-space constraint, closed form)
 
 Spec:
 
@@ -23,22 +23,23 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'c64eee4aaf29a557'
-GENERATOR_VERSION = '0.1.0+88fe1cd352'
+GENERATOR_VERSION = '0.1.0+3d75fb8cf6'
 NAME = 'glm_sign'
 P = 1
 T = 1
 LINK_SHAPE = (1, 1)
 OUTPUT_SHAPE = ()
 PARAM_NAMES = ()
-PATH = 'noisy'
+PATH = 'halfspace'
 OBS_KIND = 'y'
 LAST_ACTIVATION = ''
-N_BRANCHES = 1
-FREE = ((0, 0),)
-SOLVED = ()
-INTEGRAL_DIM = 1
-FREE_K = np.array([0], dtype=np.int64)
-FREE_T = np.array([0], dtype=np.int64)
+N_BRANCHES = 0
+FREE = ()
+SOLVED = ((0, 0),)
+INTEGRAL_DIM = 0
+FREE_K = np.array([], dtype=np.int64)
+FREE_T = np.array([], dtype=np.int64)
+FREE_LOG = np.array([], dtype=np.int64)
 EVEN_ROWS = ()
 
 
@@ -86,16 +87,13 @@ def last_beta(params):
 
 @njit(cache=True)
 def branch(b, u, obs, params, z):
-    r"""Generic path: u holds all entries of Z (row-major); returns
-    log N(obs; g(Z), Delta I) with Delta = NOISE (or params[NOISE_PARAM]).
+    r"""Reduced posterior branch b: fills z (P, T) from the free entries u and the observed quantity obs; returns the log of the weight factor (Jacobian).
+
+    .. math::
+
     """
-    z_0_0 = u[0]
-    z[0, 0] = z_0_0
-    Delta = noise_variance(params)
-    acc = 0.0
-    r = obs[0] - (_sign(z_0_0))
-    acc += r * r
-    return -0.5 * acc / Delta - 0.5 * math.log(2.0 * math.pi * Delta)
+    y_0 = obs[0]
+    return -math.inf
 
 
 # ============================================================================
@@ -277,9 +275,18 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
     L0 = np.empty((D, D))
     if D > 0 and not _cholesky(C0, L0):
         return STATUS_BAD_V
+    m0 = np.empty(D)
+    for i in range(D):
+        m0[i] = omega[FREE_K[i], FREE_T[i]]
+        if FREE_LOG[i]:  # slot integrated in s = log|u|: start at the prior's scale of |u|
+            m0[i] = 0.5 * math.log(m0[i] * m0[i] + C0[i, i])
+            for j in range(D):
+                L0[i, j] = 0.0
+                L0[j, i] = 0.0
+            L0[i, i] = 1.0
     for b in range(N_BRANCHES):
         for i in range(D):
-            m[b, i] = omega[FREE_K[i], FREE_T[i]]
+            m[b, i] = m0[i]
             for j in range(D):
                 Lb[b, i, j] = L0[i, j]
     z = np.zeros((p, nt))

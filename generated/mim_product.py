@@ -2,7 +2,7 @@
 
 model: mim_product
 spec hash: 256c784af7e77580
-generator: 0.1.0+88fe1cd352
+generator: 0.1.0+3d75fb8cf6
 denoiser path: exact (solved y = g(Z) for z_1_0 (1 branch))
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '256c784af7e77580'
-GENERATOR_VERSION = '0.1.0+88fe1cd352'
+GENERATOR_VERSION = '0.1.0+3d75fb8cf6'
 NAME = 'mim_product'
 P = 2
 T = 1
@@ -33,12 +33,13 @@ PARAM_NAMES = ()
 PATH = 'solve'
 OBS_KIND = 'y'
 LAST_ACTIVATION = ''
-N_BRANCHES = 1
+N_BRANCHES = 2
 FREE = ((0, 0),)
 SOLVED = ((1, 0),)
 INTEGRAL_DIM = 1
 FREE_K = np.array([0], dtype=np.int64)
 FREE_T = np.array([0], dtype=np.int64)
+FREE_LOG = np.array([1], dtype=np.int64)
 EVEN_ROWS = ()
 
 
@@ -93,15 +94,21 @@ def branch(b, u, obs, params, z):
 
     .. math::
 
-        z_{1,0}^{(s=0)} &= \frac{y_{0}}{z_{0,0}} \\
-        \log J^{(0)} &= - \log{\left(\left|{z_{0,0}}\right| \right)} \\
+        z_{1,0}^{(s=0)} &= y_{0} e^{- z_{0,0}} \\
+        z_{1,0}^{(s=1)} &= - y_{0} e^{- z_{0,0}} \\
+        \log J^{(0)} &= 0 \\
+        \log J^{(1)} &= 0 \\
     """
     z_0_0 = u[0]
     y_0 = obs[0]
-    z[0, 0] = z_0_0
+    z[0, 0] = (1.0 if b < 1 else -1.0) * math.exp(z_0_0)
+    x0 = y_0*math.exp(-z_0_0)
     if b == 0:
-        z[1, 0] = y_0/z_0_0
-        return -math.log(abs(z_0_0))
+        z[1, 0] = x0
+        return 0
+    elif b == 1:
+        z[1, 0] = -x0
+        return 0
     return -math.inf
 
 
@@ -284,9 +291,18 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
     L0 = np.empty((D, D))
     if D > 0 and not _cholesky(C0, L0):
         return STATUS_BAD_V
+    m0 = np.empty(D)
+    for i in range(D):
+        m0[i] = omega[FREE_K[i], FREE_T[i]]
+        if FREE_LOG[i]:  # slot integrated in s = log|u|: start at the prior's scale of |u|
+            m0[i] = 0.5 * math.log(m0[i] * m0[i] + C0[i, i])
+            for j in range(D):
+                L0[i, j] = 0.0
+                L0[j, i] = 0.0
+            L0[i, i] = 1.0
     for b in range(N_BRANCHES):
         for i in range(D):
-            m[b, i] = omega[FREE_K[i], FREE_T[i]]
+            m[b, i] = m0[i]
             for j in range(D):
                 Lb[b, i, j] = L0[i, j]
     z = np.zeros((p, nt))

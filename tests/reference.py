@@ -10,7 +10,7 @@ def softmax_rows(A):
     return E / E.sum(axis=-1, keepdims=True)
 
 
-def l2t2_reference(Ztrue, omega, V, c, beta=1.0, epsabs=1e-13, epsrel=1e-11):
+def l2t2_reference(Ztrue, omega, V, c, beta=1.0, epsabs=1e-13, epsrel=1e-11, moments=2):
     """Two-layer T = 2 tied softmax denoiser by scipy nquad over z1 in R^2 (theory section 3),
     with h taken from the true indices (independent of aimsym's inverse output map).
 
@@ -36,7 +36,8 @@ def l2t2_reference(Ztrue, omega, V, c, beta=1.0, epsabs=1e-13, epsrel=1e-11):
     for key, fn in {
         "Z0": lambda Z: 1.0,
         **{f"m{i}": (lambda Z, i=i: Z.reshape(-1)[i]) for i in range(4)},
-        **{f"s{i}{j}": (lambda Z, i=i, j=j: Z.reshape(-1)[i] * Z.reshape(-1)[j]) for i in range(4) for j in range(i, 4)},
+        **({f"s{i}{j}": (lambda Z, i=i, j=j: Z.reshape(-1)[i] * Z.reshape(-1)[j])
+            for i in range(4) for j in range(i, 4)} if moments >= 2 else {}),
     }.items():
         tot = 0.0
         for s in (1.0, -1.0):
@@ -47,6 +48,8 @@ def l2t2_reference(Ztrue, omega, V, c, beta=1.0, epsabs=1e-13, epsrel=1e-11):
         out[key] = tot
     Z0 = out["Z0"]
     mean = np.array([out[f"m{i}"] for i in range(4)]) / Z0
+    if moments < 2:
+        return np.log(Z0), mean.reshape(2, 2), None
     S = np.empty((4, 4))
     for i in range(4):
         for j in range(i, 4):

@@ -1,0 +1,287 @@
+"""Denoiser (theory sections 3 and 9): closed forms, identities, robustness, ground truth."""
+
+import numpy as np
+import pytest
+from reference import l2t2_reference
+from scipy import integrate
+from scipy.special import log_ndtr
+from scipy.stats import norm
+
+import aimsym
+from aimsym import spec as S
+from aimsym.codegen import REPO_ROOT
+from aimsym.errors import ChannelError
+
+D = REPO_ROOT / "derivations"
+
+
+def load(name, **kw):
+    return aimsym.load(D / f"{name}.toml", **kw)
+
+
+def random_spd(rng, p, lo=0.3, hi=1.2):
+    Q, _ = np.linalg.qr(rng.standard_normal((p, p)))
+    return Q @ np.diag(rng.uniform(lo, hi, p)) @ Q.T
+
+
+# ----------------------------------------------------------------------------- closed forms
+
+
+def test_gaussian_channel_closed_form():
+    Delta = 0.37
+    m = load("gaussian_channel", Delta=Delta)
+    den = m.denoiser()
+    assert den.path == "generic"
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=50) * 2
+    om = rng.normal(size=(50, 1, 1)) * 3
+    V = rng.uniform(0.05, 2.0, size=(50, 1, 1))
+    out = den(y, om, V)
+    s2 = V[:, 0, 0] + Delta
+    assert np.allclose(out.g_out[:, 0, 0], (y - om[:, 0, 0]) / s2, rtol=1e-12, atol=1e-12)
+    assert np.allclose(out.dg_out[:, 0, 0, 0, 0], -1 / s2, rtol=1e-12, atol=1e-12)
+    assert np.allclose(out.log_z_out, norm.logpdf(y, om[:, 0, 0], np.sqrt(s2)), rtol=1e-12, atol=1e-12)
+
+
+def test_phase_retrieval_closed_form():
+    m = load("glm_phase_retrieval")
+    rng = np.random.default_rng(1)
+    y = np.abs(rng.normal(size=40)) * 2
+    om = rng.normal(size=(40, 1, 1)) * 2
+    V = rng.uniform(0.1, 2.0, size=(40, 1, 1))
+    out = m.denoiser()(y, om, V)
+    w, v = om[:, 0, 0], V[:, 0, 0]
+    # posterior on {+y, -y} with weights N(+-y; w, v)
+    lz = np.logaddexp(norm.logpdf(y, w, np.sqrt(v)), norm.logpdf(-y, w, np.sqrt(v)))
+    mean = y * np.tanh(y * w / v)
+    var = y**2 - mean**2
+    assert np.allclose(out.log_z_out, lz, rtol=1e-12, atol=1e-12)
+    assert np.allclose(out.g_out[:, 0, 0], (mean - w) / v, rtol=1e-10, atol=1e-12)
+    assert np.allclose(out.dg_out[:, 0, 0, 0, 0], var / v**2 - 1 / v, rtol=1e-10, atol=1e-10)
+
+
+def test_sign_channel_closed_form_and_quadrature():
+    m = load("glm_sign")
+    rng = np.random.default_rng(2)
+    y = rng.choice([-1.0, 1.0], size=10)
+    om = rng.normal(size=(10, 1, 1)) * 2
+    V = rng.uniform(0.1, 2.0, size=(10, 1, 1))
+    out = m.denoiser()(y, om, V)
+    for i in range(10):
+        w, v, s = om[i, 0, 0], V[i, 0, 0], y[i]
+        f = lambda z, k: z**k * norm.pdf(z, w, np.sqrt(v))  # noqa: E731
+        lim = (0, np.inf) if s > 0 else (-np.inf, 0)
+        Z0, Z1, Z2 = (integrate.quad(f, *lim, args=(k,), epsabs=1e-14, epsrel=1e-12)[0] for k in range(3))
+        mean, var = Z1 / Z0, Z2 / Z0 - (Z1 / Z0) ** 2
+        assert np.isclose(out.log_z_out[i], np.log(Z0), rtol=1e-9)
+        assert np.isclose(out.log_z_out[i], log_ndtr(s * w / np.sqrt(v)), rtol=1e-12)
+        assert np.isclose(out.g_out[i, 0, 0], (mean - w) / v, rtol=1e-8, atol=1e-10)
+        assert np.isclose(out.dg_out[i, 0, 0, 0, 0], var / v**2 - 1 / v, rtol=1e-7, atol=1e-9)
+    # a sign channel is not even: the uninformed g_out is non-zero
+    assert np.all(np.abs(m.denoiser()(y, np.zeros((10, 1, 1)), np.eye(1)).g_out) > 0.1)
+
+
+@pytest.mark.parametrize("beta", [0.5, 1.0, 2.0])
+def test_one_softmax_layer_two_point_closed_form(beta):
+    m = load("attention_L1_T2", beta=beta)
+    rng = np.random.default_rng(3)
+    Z, y = m.sample(30, rng)
+    om = rng.normal(size=(30, 1, 2))
+    V = rng.uniform(0.2, 2.0, size=(30, 1, 1))
+    out = m.denoiser()(y, om, V)
+    h = Z[:, 0, :]  # the posterior is the two points +-h
+    v = V[:, 0, 0]
+    a = (h * om[:, 0, :]).sum(axis=1) / v
+    mean = h * np.tanh(a)[:, None]
+    cov = np.einsum("nt,ns->nts", h, h) * (1 - np.tanh(a) ** 2)[:, None, None]
+    assert np.allclose(out.g_out[:, 0, :], (mean - om[:, 0, :]) / v[:, None], rtol=1e-9, atol=1e-10)
+    dg = cov / v[:, None, None] ** 2 - np.eye(2) / v[:, None, None]
+    assert np.allclose(out.dg_out[:, 0, :, 0, :], dg, rtol=1e-9, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------- identities
+
+# (model, parameter values, accuracy); the FD tolerance below is relative to the rule's accuracy
+MODELS = [
+    ("attention_L2_T2", {"skip": 1.0}, {"nodes": 64}),
+    ("attention_L2_T3", {"skip": 0.7}, {"nodes": 32}),
+    ("attention_L3_T2", {"skip": 1.0}, {"nodes": 16}),
+    ("attention_L1_T2", {"beta": 1.3}, {}),
+    ("mim_product", {}, {"nodes": 256}),
+    ("glm_phase_retrieval", {}, {}),
+    ("gaussian_channel", {"Delta": 0.5}, {}),
+]
+
+
+@pytest.mark.parametrize("name,values,acc", MODELS)
+def test_g_out_is_gradient_of_log_z_and_dg_out_of_g_out(name, values, acc):
+    m = load(name, **values)
+    den = m.denoiser(**acc)
+    # quadrature error (and its variation with omega) grows with the integral's dimension
+    # (measured rule errors at these settings: 1e-7 in 2-D, 1e-6 in 3-D, 1e-3 in 4-D; the 1-D
+    # product link's log-variable integrand is flat-topped for |y| << 1: 1e-5)
+    tol = {0: 1e-7, 1: 1e-4, 2: 1e-6, 3: 1e-4, 4: 3e-3}[den.dim]
+    rng = np.random.default_rng(4)
+    Z, y = m.sample(3, rng)
+    om = 0.5 * rng.normal(size=(3, m.p, m.tokens))
+    V = random_spd(rng, m.p, 0.4, 1.0)
+    out = den(y, om, V)
+    eps = 1e-4
+    for k in range(m.p):
+        for t in range(m.tokens):
+            E = np.zeros_like(om)
+            E[:, k, t] = eps
+            up, dn = den(y, om + E, V), den(y, om - E, V)
+            fd_g = (up.log_z_out - dn.log_z_out) / (2 * eps)
+            fd_dg = (up.g_out - dn.g_out) / (2 * eps)
+            assert np.allclose(out.g_out[:, k, t], fd_g, rtol=10 * tol, atol=tol), (k, t)
+            assert np.allclose(out.dg_out[:, :, :, k, t], fd_dg, rtol=100 * tol, atol=10 * tol), (k, t)
+    # dg_out is symmetric: it is a Hessian of log Z_out
+    flat = out.dg_out.reshape(3, m.p * m.tokens, m.p * m.tokens)
+    assert np.allclose(flat, np.swapaxes(flat, 1, 2), atol=1e-9)
+
+
+def test_vectorised_equals_scalar_loop():
+    m = load("attention_L2_T2", skip=1.0)
+    den = m.denoiser(nodes=24)
+    rng = np.random.default_rng(5)
+    Z, y = m.sample(12, rng)
+    om = rng.normal(size=(3, 4, 2, 2)) * 0.7
+    V = np.stack([random_spd(rng, 2) for _ in range(12)]).reshape(3, 4, 2, 2)
+    batch = den(y.reshape(3, 4, 2, 2), om, V)
+    assert batch.g_out.shape == (3, 4, 2, 2) and batch.dg_out.shape == (3, 4, 2, 2, 2, 2)
+    for i in range(3):
+        for j in range(4):
+            one = den(y.reshape(3, 4, 2, 2)[i, j], om[i, j], V[i, j])
+            assert np.array_equal(one.g_out, batch.g_out[i, j])
+            assert np.array_equal(one.dg_out, batch.dg_out[i, j])
+            assert np.array_equal(one.log_z_out, batch.log_z_out[i, j])
+
+
+@pytest.mark.parametrize("name,values,acc", [m for m in MODELS if m[0].startswith("attention") or m[0] == "glm_phase_retrieval"])
+def test_uninformed_g_out_vanishes_for_even_models(name, values, acc):
+    m = load(name, **values)
+    rng = np.random.default_rng(6)
+    _, y = m.sample(5, rng)
+    out = m.denoiser(**acc)(y, np.zeros((5, m.p, m.tokens)), np.eye(m.p))
+    assert np.max(np.abs(out.g_out)) < 1e-10
+
+
+@pytest.mark.parametrize("name,values,acc", [MODELS[0], MODELS[3], MODELS[4], MODELS[5]])
+def test_nishimori_identity(name, values, acc):
+    m = load(name, **values)
+    rng = np.random.default_rng(7)
+    p, T, n = m.p, m.tokens, 3000
+    A = rng.normal(size=(p, p))
+    Q = A @ A.T
+    Q = 0.6 * Q / np.linalg.eigvalsh(Q).max()  # 0 <= Q < I
+    w, U = np.linalg.eigh(Q)
+    sq = U @ np.diag(np.sqrt(np.clip(w, 0, None))) @ U.T
+    sv = U @ np.diag(np.sqrt(1 - w)) @ U.T
+    xi, eta = rng.normal(size=(2, n, p, T))
+    om = np.einsum("ij,njt->nit", sq, xi)
+    Zs = om + np.einsum("ij,njt->nit", sv, eta)
+    y = m.link(Zs)
+    out = m.denoiser(**acc)(y, om, np.eye(p) - Q)
+    gg = np.einsum("nkt,njt->nkj", out.g_out, out.g_out)
+    dd = -np.einsum("nktjt->nkj", out.dg_out)
+    diff = gg - dd
+    se = diff.std(axis=0) / np.sqrt(n)
+    assert np.all(np.abs(diff.mean(axis=0)) < 5 * se + 1e-3)
+
+
+# ----------------------------------------------------------------------------- ground truth
+
+
+def _check_against_nquad(points, nodes, tol):
+    m = load("attention_L2_T2", skip=1.0)
+    rng = np.random.default_rng(8)
+    Z, y = m.sample(points, rng)
+    om = 0.6 * rng.normal(size=(points, 2, 2))
+    Vs = [np.array([[1.0, 0.2], [0.2, 0.8]]), np.array([[0.6, -0.1], [-0.1, 0.9]]), np.eye(2), 0.5 * np.eye(2)]
+    den = m.denoiser(nodes=nodes)
+    for i in range(points):
+        V = Vs[i % len(Vs)]
+        lz, mean, _ = l2t2_reference(Z[i], om[i], V, 1.0, epsabs=1e-14, epsrel=1e-11, moments=1)
+        out = den(y[i], om[i], V)
+        g_ref = np.linalg.solve(V, mean - om[i])
+        assert np.max(np.abs(out.g_out - g_ref)) <= tol * np.max(np.abs(g_ref)), (i, out.g_out, g_ref)
+        # log_z_out excludes the y <-> h Jacobian, as the reference does
+        assert abs(out.log_z_out - lz) <= tol * max(1.0, abs(lz))
+
+
+def test_two_layer_matches_independent_quadrature():
+    _check_against_nquad(points=1, nodes=192, tol=1e-8)
+
+
+@pytest.mark.slow
+def test_two_layer_matches_independent_quadrature_many_points():
+    _check_against_nquad(points=4, nodes=192, tol=1e-8)
+
+
+# ----------------------------------------------------------------------------- robustness
+
+
+def test_extreme_outputs_are_finite():
+    m = load("attention_L2_T2", skip=1.0)
+    den = m.denoiser()
+    # h_1 (h_1 - h_2) ~ 690: y_12 ~ 1e-300 and y_11 = 1 - 1e-300 (rounded to 1)
+    Z = np.array([[0.3, -0.2], [17.0, -7.0]])
+    y = m.link(Z)
+    assert 1e-306 < y[0, 1] < 1e-250 and y[0, 0] == 1.0
+    out = den(y, np.zeros((2, 2)), np.eye(2))
+    assert np.all(np.isfinite(out.g_out)) and np.all(np.isfinite(out.dg_out)) and np.isfinite(out.log_z_out)
+
+
+def test_large_omega_and_near_singular_V():
+    m = load("attention_L2_T2", skip=1.0)
+    den = m.denoiser()
+    rng = np.random.default_rng(9)
+    _, y = m.sample(4, rng)
+    om = rng.choice([-20.0, 20.0], size=(4, 2, 2))
+    assert np.all(np.isfinite(den(y, om, np.eye(2)).g_out))
+    R, _ = np.linalg.qr(rng.normal(size=(2, 2)))
+    V = R @ np.diag([1.0, 1e-12]) @ R.T
+    try:
+        out = den(y, 0.3 * om / 20, V)
+    except ChannelError as err:  # a clear error naming the input is acceptable
+        assert err.field in ("V", "omega", "y")
+    else:
+        assert np.all(np.isfinite(out.g_out)) and np.all(np.isfinite(out.log_z_out))
+
+
+def test_four_tokens_one_layer():
+    spec = S.make_attention(tokens=4, layers=1, beta=0.8, name="t4_one_layer")
+    m = aimsym.load(spec)
+    rng = np.random.default_rng(10)
+    Z, y = m.sample(5, rng)
+    out = m.denoiser()(y, 3 * rng.normal(size=(5, 1, 4)), 0.5 * np.eye(1))
+    assert np.all(np.isfinite(out.g_out)) and np.all(np.isfinite(out.dg_out))
+
+
+@pytest.mark.parametrize(
+    "y,field",
+    [
+        (np.array([[0.6, 0.6], [0.3, 0.7]]), "y"),  # row does not sum to 1
+        (np.array([[1.0, 0.0], [0.3, 0.7]]), "y"),  # zero entry: zero likelihood
+        (np.array([[0.5, 0.5], [np.nan, 0.5]]), "y"),
+        (np.array([[0.9, 0.1], [0.9, 0.1]]), "y"),  # sums to 1 but not sigma(h h^T)
+    ],
+)
+def test_off_manifold_outputs_raise_clear_errors(y, field):
+    m = load("attention_L2_T2", skip=1.0)
+    with pytest.raises(ChannelError) as err:
+        m.denoiser()(y, np.zeros((2, 2)), np.eye(2))
+    assert err.value.field == field and "\n" not in str(err.value)
+
+
+def test_bad_V_and_omega_shapes():
+    m = load("attention_L2_T2", skip=1.0)
+    den = m.denoiser()
+    _, y = m.sample(1, np.random.default_rng(0))
+    with pytest.raises(ChannelError) as err:
+        den(y[0], np.zeros((2, 2)), np.array([[1.0, 2.0], [2.0, 1.0]]))
+    assert err.value.field == "V"
+    with pytest.raises(ChannelError) as err:
+        den(y[0], np.zeros((3, 2)), np.eye(2))
+    assert err.value.field == "omega"
