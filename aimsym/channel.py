@@ -133,7 +133,9 @@ class Denoiser:
         self._raise(status)
         return obs.reshape(*batch, n_obs)
 
-    def __call__(self, y, omega, V, *, error: bool = False) -> DenoiserOutput:
+    def __call__(self, y, omega, V, *, error: bool = False, obs=None) -> DenoiserOutput:
+        """``obs`` (optional, from ``model.observation(Z)``) replaces y: the reduced observed
+        quantity, e.g. h for attention models when the output softmax underflows."""
         p, T = self.model.p, self.model.tokens
         omega = np.asarray(omega, dtype=float)
         V = np.asarray(V, dtype=float)
@@ -147,7 +149,7 @@ class Denoiser:
             raise ChannelError("V", "contains NaN or infinite entries")
         if self.kernels.PATH == "halfspace":
             return self._halfspace(y, omega, V)
-        obs = self.observe(y)
+        obs = self.observe(y) if obs is None else np.asarray(obs, dtype=float)
         batch = np.broadcast_shapes(obs.shape[:-1], omega.shape[:-2], V.shape[:-2] if V.ndim > 2 else ())
         obs_f = np.ascontiguousarray(np.broadcast_to(obs, (*batch, obs.shape[-1])).reshape(-1, obs.shape[-1]))
         om_f = np.ascontiguousarray(np.broadcast_to(omega, (*batch, p, T)).reshape(-1, p, T))

@@ -102,6 +102,19 @@ class Model:
         self.kernels.link_jacobian_batch(flat, self.params_array(), out)
         return out.reshape(*batch, *self.output_shape, self.p, self.tokens)
 
+    def observation(self, Z) -> np.ndarray:
+        """The denoiser's observed quantity computed from the indices, shape (..., n_obs):
+        h = M_{L-1} z_L^T for attention models (exact even where y = g(Z) underflows), else y."""
+        red = self.derivation.reduction
+        Z = np.asarray(Z, dtype=float)
+        if red is not None and red.obs_from_Z is not None:
+            from .symbolic import numeric_function
+
+            f = numeric_function(self.derivation, red.obs_from_Z, (len(red.obs_from_Z),))
+            return f(Z, self.params_array())
+        y = self.link(Z)
+        return y.reshape(*Z.shape[:-2], -1)
+
     def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Draw n (Z, y) pairs from the prior (Z entries i.i.d. N(0, 1)) and the channel."""
         Z = rng.standard_normal((n, self.p, self.tokens))

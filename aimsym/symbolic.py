@@ -56,6 +56,9 @@ class Reduction:
     notes: list[str] = field(default_factory=list)
     # positions in ``free`` integrated in s = log|u| (u = +-exp(s) on the branches)
     log_free: list[int] = field(default_factory=list)
+    # the observed quantity as a function of Z (h = M_{L-1} z_L^T), e.g. to bypass y when
+    # the output softmax underflows
+    obs_from_Z: list[sp.Expr] | None = None
 
     @property
     def integral_dim(self) -> int:
@@ -375,6 +378,7 @@ def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix):
         if any(isinstance(ly.skip, float) and ly.skip <= 0 for ly in prev):
             notes.append("skip <= 0: M_{L-1} can be singular")
     logj = [-sp.log(sp.Abs(det))] * 2
+    z_last = sp.Matrix([sp.Symbol(f"z_{p - 1}_{t}", real=True) for t in range(T)])
     red = Reduction(
         kind="attention-rank1",
         free=free,
@@ -387,6 +391,7 @@ def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix):
         activation=last.activation,
         beta=param_symbol(last.beta),
         notes=notes,
+        obs_from_Z=list(M_prev * z_last),
     )
     return red, "y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly"
 
