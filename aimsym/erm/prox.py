@@ -81,10 +81,15 @@ def _newton(h, z, Y, Sigma, beta, iters, tol):
 
 
 def prox(z: np.ndarray, Y: np.ndarray, Sigma: float, beta: float, *,
-         iters: int = 60, tol: float = 1e-10) -> np.ndarray:
-    """Batched proximal map; z (N, L), Y (N, T, T) -> h (N, L)."""
+         iters: int = 60, tol: float = 1e-10, warm: np.ndarray | None = None) -> np.ndarray:
+    """Batched proximal map; z (N, L), Y (N, T, T) -> h (N, L).
+
+    ``warm``: a start close to the answer (e.g. the previous fixed-point iterate's solution);
+    when given, only it is used (the caller re-runs the two cold starts periodically)."""
     if not np.isfinite(Sigma) or Sigma <= 0:
         raise ValueError(f"Sigma must be positive and finite, got {Sigma}")
+    if warm is not None:
+        return _newton(warm, z, Y, Sigma, beta, iters, tol)[0]
     starts = (z.copy(), interpolating_point(z, Y, beta))
     best_h, best_f = None, None
     for h0 in starts:
