@@ -50,18 +50,19 @@ def test_cubic_root_and_moments(rho, Delta):
     assert m2 == pytest.approx(1 + rho + Delta, abs=1e-8)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(rho=st.floats(0.05, 3.0), Delta=st.floats(1e-3, 3.0), re=st.floats(-3, 6), im=st.floats(0.3, 3))
 def test_herglotz_branch_complex(rho, Delta, re, im):
     """Away from the axis G(z) must equal the Stieltjes integral of the density (Herglotz branch)."""
     z = np.array([re - 1j * im])
     G = stieltjes(z, rho, Delta)[0]
-    t, w = np.polynomial.legendre.leggauss(200)
+    t, w = np.polynomial.legendre.leggauss(256)  # the pole at z is within 0.3 of the support
     th, wt = 0.5 * np.pi * (t + 1), 0.5 * np.pi * w
     ref = 0j
-    for lo, hi in support_edges(rho, Delta):
-        x = 0.5 * (lo + hi) + 0.5 * (hi - lo) * np.cos(th)
-        ref += np.sum(wt * 0.5 * (hi - lo) * np.sin(th) * density(x, rho, Delta) / (z[0] - x))
+    for cuts in _panels_cached(float(rho), float(Delta)):
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            x = 0.5 * (lo + hi) + 0.5 * (hi - lo) * np.cos(th)
+            ref += np.sum(wt * 0.5 * (hi - lo) * np.sin(th) * density(x, rho, Delta) / (z[0] - x))
     assert abs(G - ref) < 1e-6 * (1 + abs(ref))  # a wrong branch is off by O(1)
     assert np.imag(stieltjes(np.conj(z), rho, Delta)[0]) < 0
 
