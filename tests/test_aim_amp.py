@@ -54,8 +54,8 @@ def test_rie_divergence_variance_close_to_mmse():
 
 
 def test_amp_hardmax_tracks_se_small_d():
-    """Hardmax T = 2, d = 50: AMP error within 15 % of the SE (finite-d corrections ~ 1/d)."""
-    errs = [amp.run(amp.generate(50, 0.5, 0.5, 2, "hardmax", seed=s), 2, "hardmax", iterations=40)["mmse"]
+    """Hardmax T = 2, d = 40: AMP error within 15 % of the SE (finite-d corrections ~ 1/d)."""
+    errs = [amp.run(amp.generate(40, 0.5, 0.5, 2, "hardmax", seed=s), 2, "hardmax", iterations=30)["mmse"]
             for s in range(2)]
     m_se = se.solve(0.5, 0.5, 2, "hardmax").mmse
     assert np.mean(errs) == pytest.approx(m_se, rel=0.15)

@@ -75,7 +75,7 @@ def test_damping_does_not_move_fixed_point():
     assert a.mmse == pytest.approx(b.mmse, abs=1e-9) and b.iterations > a.iterations
 
 
-@pytest.mark.parametrize("alpha", [0.05, 0.5, 3.0])
+@pytest.mark.parametrize("alpha", [0.05, 0.5])
 def test_hardmax_root_equals_iteration(alpha):
     r = se.solve_root(alpha, 0.5, activation="hardmax")
     it = se.iterate(alpha, 0.5, activation="hardmax", tol=1e-12)
