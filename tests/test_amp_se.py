@@ -82,9 +82,7 @@ class PhaseRetrievalDenoiser:
 
 @pytest.mark.parametrize("d,seeds,denoiser", [
     pytest.param(400, 6, "closed_form", id="d400-closed-form"),
-    pytest.param(400, 6, "generated", id="d400-generated", marks=pytest.mark.xfail(
-        reason="generated glm_phase_retrieval kernel (0-dimensional integral) fails to compile "
-               "in the current tree; reported to the lead", strict=False)),
+    pytest.param(400, 6, "generated", id="d400-generated"),
     pytest.param(2000, 4, "closed_form", id="d2000-closed-form", marks=pytest.mark.slow)])
 def test_phase_retrieval_follows_se(d, seeds, denoiser):
     model = aimsym.load("derivations/glm_phase_retrieval.toml")

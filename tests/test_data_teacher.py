@@ -43,9 +43,7 @@ def test_requires_seed(l2):
 
 @pytest.mark.parametrize("name", ["attention_L1_T2", "attention_L2_T2", "attention_L2_T2_untied",
                                   "attention_L2_T2_heads2", "attention_L2_T3",
-                                  pytest.param("attention_L3_T2", marks=pytest.mark.xfail(
-                                      reason="symbolic.attention_forward sets M_l = c I + S_l instead of "
-                                             "(c I + S_l) M_{l-1} (reported to the lead)", strict=False))])
+                                  "attention_L3_T2"])
 def test_network_forward_equals_link(name):
     spec_params = aimsym.load(f"derivations/{name}.toml").spec.parameters()
     model = aimsym.load(f"derivations/{name}.toml", **{k: 0.7 for k in spec_params})

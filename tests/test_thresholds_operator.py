@@ -84,10 +84,7 @@ class ProductClosedForm:
 
 @pytest.mark.parametrize("model_kind", [
     "closed-form",
-    pytest.param("generated", marks=pytest.mark.xfail(
-        reason="generated mim_product denoiser is inaccurate near z0 = 0 (1/|z0| Jacobian; E[z0^2|y] "
-               "off by up to 0.14 at small |y|, z0/z1 asymmetric) - reported to the denoiser owner",
-        strict=False)),
+    "generated",
 ])
 def test_product_operator_matches_analytic_form(model_kind):
     """y = z0 z1: by the symmetries Z -> -Z and z0 <-> z1, G = [[m-1, y], [y, m-1]] and in the basis
