@@ -48,7 +48,7 @@ def architecture_section(d: Derivation) -> str:
         out.append(r"\end{tabular}\end{center}")
         out.append(
             r"With $z_l = W_l^\top x/\sqrt{d}$, mixing products $M_0 = I$, "
-            r"$M_l = c_l I + \frac1H\sum_h S_{l,h}$, "
+            r"$M_l = \big(c_l I + \sum_h a_h S_{l,h}\big) M_{l-1}$ (head weights $a_h$, default $1/H$), "
             r"$S_l = \sigma\big(\beta_l (M_{l-1} z_{Q,l}^\top)(M_{l-1} z_{K,l}^\top)^\top\big)$ "
             r"(tied: $z_Q = z_K$)."
         )
