@@ -70,8 +70,8 @@ def register(subparsers) -> None:
             p.add_argument("--damping", type=float, default=0.3, help="damping in [0, 1)")
             p.set_defaults(func=_cmd_amp)
         else:
-            p.add_argument("--steps", type=int, default=3000, help="Adam steps")
-            p.add_argument("--lr", type=float, default=0.02, help="Adam learning rate")
+            p.add_argument("--steps", type=int, default=1500, help="Adam steps (default 1500)")
+            p.add_argument("--lr", type=float, default=0.01, help="Adam learning rate (default 0.01)")
             p.add_argument("--runs", type=int, default=4, help="independent inits averaged (AGD)")
             p.set_defaults(func=_cmd_gd)
 
