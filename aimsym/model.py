@@ -80,24 +80,23 @@ class Model:
         nz = self.spec.noise
         return dict(self.values)[nz] if isinstance(nz, str) else float(nz)
 
-    def link(self, Z) -> np.ndarray:
-        """y = g(Z) for Z of shape (..., p, T), by the generated kernel."""
+    def _flat(self, Z) -> tuple[tuple[int, ...], np.ndarray]:
+        """(batch shape, contiguous (n, p, T) copy) of an index array, shape-checked."""
         Z = np.asarray(Z, dtype=float)
         if Z.shape[-2:] != (self.p, self.tokens):
             raise SpecError("Z", f"expected shape (..., {self.p}, {self.tokens}), got {Z.shape}")
-        batch = Z.shape[:-2]
-        flat = np.ascontiguousarray(Z.reshape(-1, self.p, self.tokens))
+        return Z.shape[:-2], np.ascontiguousarray(Z.reshape(-1, self.p, self.tokens))
+
+    def link(self, Z) -> np.ndarray:
+        """y = g(Z) for Z of shape (..., p, T), by the generated kernel."""
+        batch, flat = self._flat(Z)
         out = np.empty((flat.shape[0], *self.kernels.LINK_SHAPE))
         self.kernels.link_batch(flat, self.params_array(), out)
         return out.reshape(*batch, *self.output_shape)
 
     def link_jacobian(self, Z) -> np.ndarray:
         """dy/dZ for Z of shape (..., p, T): shape (..., *output_shape, p, T)."""
-        Z = np.asarray(Z, dtype=float)
-        if Z.shape[-2:] != (self.p, self.tokens):
-            raise SpecError("Z", f"expected shape (..., {self.p}, {self.tokens}), got {Z.shape}")
-        batch = Z.shape[:-2]
-        flat = np.ascontiguousarray(Z.reshape(-1, self.p, self.tokens))
+        batch, flat = self._flat(Z)
         out = np.zeros((flat.shape[0], *self.kernels.LINK_SHAPE, self.p, self.tokens))
         self.kernels.link_jacobian_batch(flat, self.params_array(), out)
         return out.reshape(*batch, *self.output_shape, self.p, self.tokens)
@@ -106,12 +105,12 @@ class Model:
         """The denoiser's observed quantity computed from the indices, shape (..., n_obs):
         h = M_{L-1} z_L^T for attention models (exact even where y = g(Z) underflows), else y."""
         red = self.derivation.reduction
-        Z = np.asarray(Z, dtype=float)
+        batch, flat = self._flat(Z)
         if red is not None and red.obs_from_Z is not None:
             from .symbolic import numeric_function
 
             f = numeric_function(self.derivation, red.obs_from_Z, (len(red.obs_from_Z),))
-            return f(Z, self.params_array())
+            return f(flat, self.params_array()).reshape(*batch, len(red.obs_from_Z))
         y = self.link(Z)
         return y.reshape(*Z.shape[:-2], -1)
 
