@@ -138,4 +138,6 @@ def test_free_form_reductions():
     prod = derive(S.make_smi(indices=2, tokens=1, link="z[0, 0] * z[1, 0]"))
     assert prod.reduction.integral_dim == 1
     sign = derive(S.make_smi(indices=1, tokens=1, link="sign(z[0, 0])"))
-    assert sign.reduction is None and "piecewise" in sign.reduction_reason
+    assert sign.reduction.kind == "halfspace" and "half-space" in sign.reduction_reason
+    step = derive(S.make_smi(indices=2, tokens=1, link="heaviside(z[0, 0] + z[1, 0])"))
+    assert step.reduction is None and "piecewise" in step.reduction_reason
