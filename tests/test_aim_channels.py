@@ -145,7 +145,7 @@ def test_hardmax_sampling_matches_orthant_probability():
 def test_hardmax_information_nishimori_and_converged():
     """I(q, V) with g^2 equals the one with -dg (Nishimori), and the rule is converged."""
     ch = HardmaxChannel()
-    fine = HardmaxChannel(n_quad=0.08)
+    fine = HardmaxChannel(quad_step=0.08)
     for q, V in [(0.5, 1.0), (1.45, 0.05), (1.4999, 1e-4)]:
         I = ch.information(q, V)
         assert I == pytest.approx(fine.information(q, V), rel=1e-7)

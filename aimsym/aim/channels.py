@@ -271,10 +271,10 @@ class HardmaxChannel:
 
     activation = "hardmax"
 
-    def __init__(self, tokens: int = 2, beta: float = 1.0, n_quad: float | None = None):
+    def __init__(self, tokens: int = 2, beta: float = 1.0, quad_step: float | None = None):
         self.tokens = check_tokens(tokens, "hardmax")
         self.beta = float(beta)
-        self.step = 0.25 if n_quad is None else float(n_quad)  # trapezoid step in t: ~1e-9 relative
+        self.step = 0.25 if quad_step is None else float(quad_step)  # trapezoid step in t: ~1e-9 relative
 
     # --- data -------------------------------------------------------------------------
     def sample(self, h):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
 from ..errors import AimsymError
@@ -189,4 +187,3 @@ def _fmt(v):
 
 
 __all__ = ["register", "parse_grid"]
-_ = argparse  # argparse types come from the main parser
