@@ -32,7 +32,15 @@ def _adam(params, alphas, d, seeds):
 
 def _theory(params, alphas):
     fps = curve(params, alphas, ACC)
-    return np.array([[f.alpha, f.test, f.train, f.rank] for f in fps])
+    return np.array([[f.alpha, f.test, f.train, f.rank, f.converged] for f in fps])
+
+
+def _line(ax, x, y, ok, fmt, **kw):
+    """Curve through converged fixed points; non-converged ones marked 'x' (not joined)."""
+    ok = ok.astype(bool)
+    ax.plot(x[ok], y[ok], fmt, **kw)
+    if (~ok).any():
+        ax.plot(x[~ok], y[~ok], "x", color=kw.get("color"), ms=6)
 
 
 def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, quick: bool = False) -> str:
@@ -64,9 +72,9 @@ def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, qu
             th = _theory(p, alphas) if not (figure == "seq" and i == 1) else None
             col = 3 if figure == "rank" else 1
             if th is not None:
-                ax.plot(th[:, 0], th[:, col], "-", color=color, label=f"{label} (theory)")
+                _line(ax, th[:, 0], th[:, col], th[:, 4], "-", color=color, label=f"{label} (theory)")
                 if figure == "lam":
-                    ax.plot(th[:, 0], th[:, 2], ":", color=color, lw=1)
+                    _line(ax, th[:, 0], th[:, 2], th[:, 4], ":", color=color, lw=1)
             pts = _adam(p, adam_alphas, d, seeds)
             if figure == "rank":
                 ax.plot(pts[:, 0], pts[:, 3], "o", color=color, label=f"Adam d={d}")
@@ -90,11 +98,11 @@ def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, qu
             grid = alphas if kw["tokens"] == 2 else _grid(quick, n=7)
             th = _theory(p, grid)
             # compare at equal alpha_bar = alpha (T^2+T-2)/2
-            ax.plot(p.alpha_bar(th[:, 0]), th[:, 1], "-", color=f"C{i}", label=label)
+            _line(ax, p.alpha_bar(th[:, 0]), th[:, 1], th[:, 4], "-", color=f"C{i}", label=label)
         ax.set_xscale("log")
         ax.set_xlabel("alpha_bar = alpha (T^2+T-2)/2")
         ax.set_ylabel("test error")
-        ax.set_title("temperature and sequence length (lam=0.01)", fontsize=9)
+        ax.set_title("temperature and sequence length (lam=0.01; x: not converged)", fontsize=9)
         ax.legend(fontsize=7)
     elif figure == "spectra":
         p = ERMParams(lam=0.01, **BASE)
