@@ -122,17 +122,44 @@ class Channel:
         noise = self.points[..., 2 * p * T:]
         return xi, eta, noise
 
+    @property
+    def uses_observation(self) -> bool:
+        """True when the denoiser is fed the reduced observation h = model.observation(Z)
+        instead of y = g(Z): noise-free models with an exact reduction (attention links). Same
+        posterior (h is a function of y and conversely), but exact where the output softmax
+        underflows to exact zeros (large skip), where y itself is rejected."""
+        return uses_observation(self.model, self.den)
+
     def observe(self, Q: np.ndarray):
-        """(omega, V, y) at overlap Q for every point: omega (R, n, p, T), y (R, n, *out)."""
+        """(omega, V, obs) at overlap Q for every point: omega (R, n, p, T); obs is y (R, n, *out)
+        or, if :attr:`uses_observation`, the reduced observation h (R, n, n_obs)."""
         xi, eta, noise = self.split()
         Qc = clip_overlap(Q)
         S, C = sqrt_psd(Qc), sqrt_psd(np.eye(self.p) - Qc)
         omega = S @ xi
         Z = omega + C @ eta
+        if self.uses_observation:
+            return omega, np.eye(self.p) - Qc, self.model.observation(Z)
         y = self.model.link(Z)
         if self.model.noise > 0:
             y = y + np.sqrt(self.model.noise) * noise.reshape(y.shape)
         return omega, np.eye(self.p) - Qc, y
+
+    def denoise(self, Q: np.ndarray):
+        """Denoiser output at every point at overlap Q (flattened batch R * n)."""
+        omega, V, y = self.observe(Q)
+        R, n = omega.shape[:2]
+        om = omega.reshape(R * n, self.p, self.T)
+        if self.uses_observation:
+            return self.den(None, om, V, obs=y.reshape(R * n, -1)), R, n
+        return self.den(y.reshape(R * n, *y.shape[2:]), om, V), R, n
+
+
+def uses_observation(model, den) -> bool:
+    if model.noise > 0 or getattr(getattr(den, "kernels", None), "PATH", None) == "halfspace":
+        return False
+    red = model.derivation.reduction
+    return red is not None and getattr(red, "obs_from_Z", None) is not None
 
 
 def make_channel(model, *, samples: int, replicas: int, seed, nodes=None, extra_dims: int = 0) -> Channel:
@@ -152,9 +179,7 @@ def denoiser_accuracy(model, nodes=None) -> dict:
 
 def se_map(ch: Channel, Q: np.ndarray, alpha: float):
     """One SE output step at Q: replica values of Q_hat (R, p, p) and of Psi_out (R,)."""
-    omega, V, y = ch.observe(Q)
-    R, n = omega.shape[:2]
-    out = ch.den(y.reshape(R * n, *y.shape[2:]), omega.reshape(R * n, ch.p, ch.T), V)
+    out, R, n = ch.denoise(Q)
     g = out.g_out.reshape(R, n, ch.p, ch.T)
     Q_hat_r = alpha * np.einsum("rnkt,rnlt->rkl", g, g) / n
     psi_r = out.log_z_out.reshape(R, n).mean(axis=1)

@@ -78,9 +78,7 @@ def cone_spectral_radius(F: np.ndarray, n: int, *, tol: float = 1e-13, max_iter:
 # ----------------------------------------------------------------------------- evaluation
 def operator_blocks(ch: Channel, Q: np.ndarray, block) -> np.ndarray:
     """D_ts on ``block`` at SE overlap Q for every point: (R, n, T, T, k, k)."""
-    omega, V, y = ch.observe(Q)
-    R, n = omega.shape[:2]
-    out = ch.den(y.reshape(R * n, *y.shape[2:]), omega.reshape(R * n, ch.p, ch.T), V)
+    out, R, n = ch.denoise(Q)
     P = np.asarray(block)
     dg = out.dg_out[:, P][:, :, :, P]  # (N, k, T, k, T)
     D = np.transpose(dg, (0, 2, 4, 1, 3))  # (N, t, s, k, k')

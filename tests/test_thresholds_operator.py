@@ -123,9 +123,35 @@ def test_two_layer_threshold_skip1_precise():
     assert abs(r["alpha"] - 0.187) < 0.004
 
 
+def test_two_layer_threshold_skip50_is_one_sixth():
+    """At skip 50 the output softmax underflows (y has exact zeros, rejected by the denoiser):
+    the SE/threshold expectations denoise from the reduced observation h = model.observation(Z)."""
+    model = aimsym.load(DER / "attention_L2_T2.toml", skip=50.0)
+    ch = se.make_channel(model, samples=1 << 14, replicas=8, seed=5)
+    assert ch.uses_observation
+    Z = ch.split()[0][0]  # prior draws at Q = 0
+    assert np.any(model.link(Z) == 0.0)  # the y path really is unusable here
+    r = th.initial_threshold(model, channel=ch)
+    assert 0 < r["stderr"] < 1e-3
+    assert abs(r["alpha"] - 1 / 6) < 3 * r["stderr"] + 1e-4
+    assert r["subspace"] == [1]
+
+
+def test_observation_path_matches_y_path_at_skip1():
+    """Where y does not underflow, denoising from h and from y gives the same operator."""
+    model = aimsym.load(DER / "attention_L2_T2.toml", skip=1.0)
+    ch = se.make_channel(model, samples=1 << 10, replicas=4, seed=2)
+    Q = np.diag([0.2, 0.6])
+    a = ch.denoise(Q)[0]
+    omega, V, _ = ch.observe(Q)
+    xi, eta, _ = ch.split()
+    Z = omega + se.sqrt_psd(np.eye(2) - se.clip_overlap(Q)) @ eta
+    b = ch.den(model.link(Z).reshape(-1, 2, 2), omega.reshape(-1, 2, 2), V)
+    assert np.allclose(a.g_out, b.g_out, atol=1e-6) and np.allclose(a.dg_out, b.dg_out, atol=1e-6)
+
+
 def test_two_layer_threshold_decreases_to_one_sixth():
-    """alpha_c(skip) decreases towards 1/6 from above (skip 50 underflows the softmax output y in
-    double precision; see docs/se.md)."""
+    """alpha_c(skip) decreases towards 1/6 from above."""
     vals = []
     for skip in (1.0, 4.0):
         model = aimsym.load(DER / "attention_L2_T2.toml", skip=skip)
