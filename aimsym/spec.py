@@ -65,6 +65,12 @@ class AttentionSpec:
     noise: Param = 0.0  # Gaussian output noise variance Delta (0: deterministic link)
     name: str = "model"
     description: str = ""
+    # large-depth limit: one layer's weights shared across L layers with skip c = L / tau and
+    # the attention rescaled by 1 / c; as L -> infinity the mixing product solves the ODE
+    # dM/dt = S(M) M on [0, tau], integrated by depth_steps classical Runge-Kutta steps
+    depth_limit: bool = False
+    tau: Param = 1.0
+    depth_steps: int = 8
     kind: str = field(default="attention", init=False)
 
     @property
@@ -132,8 +138,12 @@ def _symbols_of(spec: Spec) -> tuple[str, ...]:
     names: set[str] = set()
     if isinstance(spec, AttentionSpec):
         for layer in spec.layers:
-            vals = [layer.skip, layer.beta, *(layer.readout or ())]
+            vals = [layer.beta, *(layer.readout or ())]
+            if not spec.depth_limit:
+                vals.append(layer.skip)
             names.update(v for v in vals if isinstance(v, str))
+        if spec.depth_limit and isinstance(spec.tau, str):
+            names.add(spec.tau)
     if isinstance(spec.noise, str):
         names.add(spec.noise)
     return tuple(sorted(names))
@@ -212,8 +222,16 @@ def make_attention(
     noise=0.0,
     name: str = "model",
     description: str = "",
+    depth_limit: bool = False,
+    tau=1.0,
+    depth_steps: int = 8,
 ) -> AttentionSpec:
     """Validated :class:`AttentionSpec`; scalar fields are shared, lists are per layer."""
+    if not isinstance(depth_limit, bool):
+        raise SpecError("depth_limit", f"must be true or false, got {depth_limit!r}")
+    if depth_limit and layers != 1:
+        raise SpecError("layers", "the large-depth limit shares one layer's weights across depth: "
+                                  "declare layers = 1 (depth is set by tau)")
     T = _int(tokens, "tokens", 1, 8)
     L = _int(layers, "layers", 1, 6)
     ranks = [_int(r, "rank", 1, 8) for r in _per_layer(rank, "rank", L)]
@@ -249,6 +267,9 @@ def make_attention(
         noise=_param(noise, "noise", nonneg=True),
         name=_name(name),
         description=str(description),
+        depth_limit=depth_limit,
+        tau=_param(tau, "tau", positive=True),
+        depth_steps=_int(depth_steps, "depth_steps", 1, 512),
     )
 
 
@@ -308,7 +329,7 @@ def _name(name) -> str:
 
 _ATTENTION_KEYS = {
     "kind", "tokens", "layers", "rank", "heads", "tied", "skip", "activation", "beta",
-    "readout", "output", "head_mode", "noise", "name", "description",
+    "readout", "output", "head_mode", "noise", "name", "description", "depth_limit", "tau", "depth_steps",
 }
 _SMI_KEYS = {"kind", "indices", "tokens", "link", "parameters", "noise", "name", "description"}
 
@@ -384,6 +405,8 @@ def to_toml(spec: Spec) -> str:
         if any(layer.readout is not None for layer in spec.layers):
             lines.append(f"readout = {fmt([list(layer.head_weights()) for layer in spec.layers])}")
         lines += [f"output = {fmt(spec.output)}", f"head_mode = {fmt(spec.head_mode)}"]
+        if spec.depth_limit:
+            lines += ["depth_limit = true", f"tau = {fmt(spec.tau)}", f"depth_steps = {spec.depth_steps}"]
     else:
         lines += [f"indices = {spec.indices}", f"tokens = {spec.tokens}", f"link = {fmt(spec.link)}"]
         if spec.parameters_:

@@ -296,6 +296,47 @@ def attention_forward(spec: AttentionSpec, Z: sp.Matrix, prog: Program, upto: in
     return out
 
 
+def _layer_attention(spec: AttentionSpec, layer, rows, Z, M, prog, tag, ltag):
+    """sum_h a_h sigma(beta (M z_Q^T)(M z_K^T)^T) of one layer, as program intermediates."""
+    T = spec.tokens
+    beta = param_symbol(layer.beta)
+    S_total = sp.zeros(T, T)
+    for h, a in enumerate(layer.head_weights()):
+        ht = "" if layer.heads == 1 else f"h{h + 1}"
+        zq = Z.extract(rows[(1, h, "w" if layer.tied else "q")], list(range(T)))
+        q = prog.matrix(f"q{tag}{ht}", M * zq.T, f"q^{{({ltag})}}")
+        k = q if layer.tied else prog.matrix(
+            f"k{tag}{ht}", M * Z.extract(rows[(1, h, "k")], list(range(T))).T, f"k^{{({ltag})}}")
+        logits = prog.matrix(f"A{tag}{ht}", beta * (q * k.T), f"A^{{({ltag})}}")
+        S_total += param_symbol(a) * prog.matrix(f"S{tag}{ht}", activate(layer.activation, logits), f"S^{{({ltag})}}")
+    return S_total
+
+
+def depth_limit_flow(spec: AttentionSpec, Z: sp.Matrix, prog: Program):
+    """Large-depth limit: dM/dt = S(M) M, M(0) = I on [0, tau] (classical RK4, depth_steps
+    steps; the error is O((tau / depth_steps)^4)). Returns (S(M(tau)), M(tau))."""
+    T = spec.tokens
+    layer = spec.layers[0]
+    rows: dict[tuple[int, int, str], list[int]] = {}
+    for k, lb in enumerate(layout(spec)):
+        rows.setdefault((lb.layer, lb.head, lb.role), []).append(k)
+    h = param_symbol(spec.tau) / spec.depth_steps
+    M = sp.eye(T)
+
+    def f(Mc, tag):
+        S = _layer_attention(spec, layer, rows, Z, Mc, prog, tag, tag.replace("_", ","))
+        return prog.matrix(f"F{tag}", S * Mc)
+
+    for n in range(spec.depth_steps):
+        k1 = f(M, f"{n}_1")
+        k2 = f(prog.matrix(f"Y{n}_2", M + h / 2 * k1), f"{n}_2")
+        k3 = f(prog.matrix(f"Y{n}_3", M + h / 2 * k2), f"{n}_3")
+        k4 = f(prog.matrix(f"Y{n}_4", M + h * k3), f"{n}_4")
+        M = prog.matrix(f"M{n + 1}", M + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4), f"M^{{({n + 1})}}")
+    S = _layer_attention(spec, layer, rows, Z, M, prog, "out", r"\tau")
+    return S, M
+
+
 def derive(spec: Spec) -> Derivation:
     """Symbolic derivation of a spec (cached on the spec, which is frozen and hashable)."""
     return _derive(spec)
@@ -304,7 +345,15 @@ def derive(spec: Spec) -> Derivation:
 @functools.lru_cache(maxsize=64)
 def _derive(spec: Spec) -> Derivation:
     prog = Program()
-    if isinstance(spec, AttentionSpec):
+    if isinstance(spec, AttentionSpec) and spec.depth_limit:
+        p, T = spec.p, spec.tokens
+        Z = index_matrix(p, T)
+        S_tau, M_tau = depth_limit_flow(spec, Z, prog)
+        link = S_tau if spec.output == "attention" else M_tau
+        labels = layout(spec)
+        reduction, reason = None, ("no exact reduction: large-depth limit (the mixing product is the "
+                                   "flow of an ODE, not invertible in closed form)")
+    elif isinstance(spec, AttentionSpec):
         p, T = spec.p, spec.tokens
         Z = index_matrix(p, T)
         layers = attention_forward(spec, Z, prog)

@@ -141,3 +141,68 @@ def test_free_form_reductions():
     assert sign.reduction.kind == "halfspace" and "half-space" in sign.reduction_reason
     step = derive(S.make_smi(indices=2, tokens=1, link="heaviside(z[0, 0] + z[1, 0])"))
     assert step.reduction is None and "piecewise" in step.reduction_reason
+
+
+# ----------------------------------------------------------------------------- large-depth limit
+
+
+def _flow_reference(x, W, beta, tau, output):
+    """Network form of the large-depth limit, integrated by scipy: dx/dt = x S(x)^T."""
+    from scipy.integrate import solve_ivp
+
+    from forward import activation
+
+    d, T = x.shape
+
+    def att(X):
+        return activation("softmax", beta * (X.T @ W) @ (W.T @ X) / d)
+
+    sol = solve_ivp(lambda t, v: (v.reshape(d, T) @ att(v.reshape(d, T)).T).ravel(), (0, tau), x.ravel(),
+                    rtol=1e-12, atol=1e-12, method="DOP853")
+    XL = sol.y[:, -1].reshape(d, T)
+    return att(XL) if output == "attention" else np.linalg.lstsq(x, XL, rcond=None)[0].T
+
+
+@pytest.mark.parametrize("output", ["attention", "tokens"])
+def test_depth_limit_link_is_the_ode_flow(output):
+    rng = np.random.default_rng(11)
+    d, T, beta, tau = 64, 3, 0.8, 1.5
+    x = rng.standard_normal((d, T))
+    W = rng.standard_normal((d, 1))
+    Z = W.T @ x / np.sqrt(d)
+    ref = _flow_reference(x, W, beta, tau, output)
+    errs = []
+    for K in (8, 16, 32):
+        spec = S.make_attention(tokens=T, depth_limit=True, tau=tau, depth_steps=K, beta=beta, output=output)
+        errs.append(np.max(np.abs(derive(spec).numeric_link(Z) - ref)))
+    assert errs[-1] < 1e-6
+    assert errs[0] / errs[1] > 8 and errs[1] / errs[2] > 8  # fourth order (ratio 16 asymptotically)
+
+
+def test_finite_depth_network_approaches_the_limit():
+    """L layers with skip c = L / tau, attention rescaled by 1/c, shared weights -> the limit link."""
+    from forward import activation
+
+    rng = np.random.default_rng(12)
+    d, T, beta, tau = 48, 2, 1.0, 1.0
+    x = rng.standard_normal((d, T))
+    W = rng.standard_normal((d, 1))
+    Z = W.T @ x / np.sqrt(d)
+    limit = derive(S.make_attention(tokens=T, depth_limit=True, tau=tau, depth_steps=32)).numeric_link(Z)
+    gaps = []
+    for L in (100, 400):
+        X = x
+        for _ in range(L):
+            S_ = activation("softmax", beta * (X.T @ W) @ (W.T @ X) / d)
+            X = X @ ((L / tau) * np.eye(T) + S_).T / (L / tau)
+        gaps.append(np.max(np.abs(activation("softmax", beta * (X.T @ W) @ (W.T @ X) / d) - limit)))
+    assert gaps[1] < gaps[0] / 3 and gaps[1] < 1e-2  # O(1/L) convergence to the limit
+
+
+def test_depth_limit_validation():
+    with pytest.raises(S.SpecError) as err:
+        S.make_attention(tokens=2, layers=2, depth_limit=True)
+    assert err.value.field == "layers"
+    with pytest.raises(S.SpecError) as err:
+        S.make_attention(tokens=2, depth_limit=True, tau=-1.0)
+    assert err.value.field == "tau"
