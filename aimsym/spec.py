@@ -126,6 +126,10 @@ def canonical(spec: Spec) -> dict:
     """JSON-able canonical form (the hash input)."""
     d = asdict(spec)
     d.pop("description", None)
+    if isinstance(spec, AttentionSpec) and not spec.depth_limit:
+        # optional features at their defaults stay out, so adding one keeps earlier hashes
+        for key in ("depth_limit", "tau", "depth_steps"):
+            d.pop(key)
     return d
 
 
