@@ -32,6 +32,9 @@ DEFAULT_NODES = {1: 80, 2: 48, 3: 20, 4: 12, 5: 7, 6: 5}
 # adaptive re-centring pays in one and two dimensions; in three and four the moment-matched
 # Gaussian of the (often multimodal) reduced posterior is a worse rule than the prior marginal
 DEFAULT_ADAPT = {1: 1, 2: 1}
+# polar rule (angle nodes per sector, radial nodes) for two-layer T = 2 models (see the driver);
+# about 1e-9 relative at moderate V
+DEFAULT_POLAR = (14, 40)
 MAX_TENSOR_NODES = 200_000
 
 _STATUS = {
@@ -51,6 +54,7 @@ class DenoiserOutput:
     ess: np.ndarray  # (...) effective number of quadrature nodes of the final pass
     error: np.ndarray | None = None  # (...) estimated absolute error of g_out/dg_out
     path: str = ""
+    polar: np.ndarray | None = None  # (...) True where the polar rule was used (else Gauss-Hermite)
 
 
 def gauss_hermite_rule(D: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -67,13 +71,24 @@ def gauss_hermite_rule(D: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(nodes), np.ascontiguousarray(lw)
 
 
+def polar_rule(sizes: tuple[int, int] | None):
+    """Gauss-Legendre nodes and weights on [-1, 1] for the polar rule (empty: not used)."""
+    if sizes is None:
+        e = np.zeros(0)
+        return e, e, e, e
+    th, w_th = np.polynomial.legendre.leggauss(sizes[0])
+    rr, w_r = np.polynomial.legendre.leggauss(sizes[1])
+    return th, w_th, rr, w_r
+
+
 class Denoiser:
     """Compiled batch denoiser of a :class:`~aimsym.model.Model`.
 
     ``den(y, omega, V)`` with y (..., *output_shape), omega (..., p, T), V (p, p) or (..., p, p).
     """
 
-    def __init__(self, model, *, nodes: int | None = None, adapt: int | None = None, inflate: float = 1.0):
+    def __init__(self, model, *, nodes: int | None = None, adapt: int | None = None, inflate: float = 1.0,
+                 polar: tuple[int, int] | None = DEFAULT_POLAR):
         self.model = model
         self.kernels = model.kernels
         self.params = model.params_array()
@@ -89,13 +104,20 @@ class Denoiser:
             nodes = DEFAULT_NODES.get(self.dim, 4)
         if adapt is None:
             adapt = DEFAULT_ADAPT.get(self.dim, 0)
-        if not (isinstance(nodes, int | np.integer) and nodes >= 2):
-            raise ChannelError("nodes", f"must be an integer >= 2, got {nodes!r}")
+        if not (isinstance(nodes, int | np.integer) and 2 <= nodes <= 256):
+            # (numpy's Gauss-Hermite weights overflow beyond a few hundred nodes)
+            raise ChannelError("nodes", f"must be an integer in 2..256, got {nodes!r}")
         if not (isinstance(adapt, int | np.integer) and 0 <= adapt <= 10):
             raise ChannelError("adapt", f"must be an integer in 0..10, got {adapt!r}")
         self.nodes = int(nodes)
         self.adapt = int(adapt)
         self.inflate = float(inflate)
+        self.polar = None
+        if polar is not None and len(self.kernels.POLAR_ANGLES):
+            if not (len(polar) == 2 and all(isinstance(v, int | np.integer) and v >= 2 for v in polar)):
+                raise ChannelError("polar", f"must be (angle nodes per sector, radial nodes), each >= 2; got {polar!r}")
+            self.polar = (int(polar[0]), int(polar[1]))
+        self._polar_rule = polar_rule(self.polar)
         self._rule = gauss_hermite_rule(self.dim, self.nodes)
         # the adaptation passes only need the posterior's mean and covariance: a coarser rule
         self._rule_coarse = gauss_hermite_rule(self.dim, max(6, self.nodes // 2))
@@ -104,7 +126,7 @@ class Denoiser:
     @property
     def accuracy(self) -> dict:
         return {"path": self.path, "integral_dim": self.dim, "nodes_per_dim": self.nodes,
-                "adapt": self.adapt, "inflate": self.inflate}
+                "adapt": self.adapt, "inflate": self.inflate, "polar": self.polar}
 
     def observe(self, y: np.ndarray) -> np.ndarray:
         """Observed reduced quantity (h for attention models, else y), with manifold checks."""
@@ -158,21 +180,23 @@ class Denoiser:
         else:
             V_f = np.ascontiguousarray(np.broadcast_to(V, (*batch, p, p)).reshape(-1, p, p))
         V_f = 0.5 * (V_f + np.swapaxes(V_f, 1, 2))
-        g, dg, extra = self._run(obs_f, om_f, V_f, self._rule)
+        g, dg, extra = self._run(obs_f, om_f, V_f, self._rule, self._polar_rule)
         err = None
         if error:
             if self._rule_small is None:
-                self._rule_small = gauss_hermite_rule(self.dim, self.nodes - self.nodes // 4)
-            g2, dg2, _ = self._run(obs_f, om_f, V_f, self._rule_small)
+                small = None if self.polar is None else tuple(v - v // 4 for v in self.polar)
+                self._rule_small = (gauss_hermite_rule(self.dim, self.nodes - self.nodes // 4), polar_rule(small))
+            g2, dg2, _ = self._run(obs_f, om_f, V_f, *self._rule_small)
             err = np.maximum(np.abs(g - g2).reshape(len(g), -1).max(axis=1),
                              np.abs(dg - dg2).reshape(len(g), -1).max(axis=1)).reshape(batch)
         return DenoiserOutput(
             g_out=g.reshape(*batch, p, T),
             dg_out=dg.reshape(*batch, p, T, p, T),
             log_z_out=extra[:, 0].reshape(batch),
-            ess=extra[:, 1].reshape(batch),
+            ess=np.abs(extra[:, 1]).reshape(batch),
             error=err,
             path=self.path,
+            polar=(extra[:, 1] < 0).reshape(batch),
         )
 
     def _halfspace(self, y, omega, V) -> DenoiserOutput:
@@ -199,7 +223,7 @@ class Denoiser:
         return DenoiserOutput(g_out=g[..., None], dg_out=dg.reshape(*w.shape[:-1], p, 1, p, 1),
                               log_z_out=log_z, ess=np.full(log_z.shape, np.inf), path=self.path)
 
-    def _run(self, obs, omega, V, rule):
+    def _run(self, obs, omega, V, rule, polar):
         n = omega.shape[0]
         p, T = self.model.p, self.model.tokens
         g = np.empty((n, p, T))
@@ -208,8 +232,9 @@ class Denoiser:
         status = np.empty(n, dtype=np.int64)
         nodes, lw = rule
         nc, lwc = self._rule_coarse
+        th, w_th, rr, w_r = polar
         self.kernels.denoise_batch(obs, omega, V, self.params, nodes, lw, nc, lwc, self.adapt, self.inflate,
-                                   g, dg, extra, status)
+                                   th, w_th, rr, w_r, g, dg, extra, status)
         self._raise(status)
         return g, dg, extra
 

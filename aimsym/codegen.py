@@ -200,6 +200,24 @@ def _last_beta_kernel(d: Derivation) -> list[str]:
     return lines
 
 
+def _polar_angles(spec: Spec, d: Derivation) -> list[float]:
+    """Sector boundaries of the polar rule, where it applies: two layers, T = 2, the free
+    indices u = z_1 of a tied rank-one single-head first layer, whose attention (logits
+    beta u_a u_b) switches across the lines u_1 = 0, u_2 = 0 and u_1 = u_2."""
+    import math
+
+    from .spec import AttentionSpec
+
+    red = d.reduction
+    if not (isinstance(spec, AttentionSpec) and red is not None and red.kind == "attention-rank1"
+            and len(spec.layers) == 2 and spec.tokens == 2 and not spec.depth_limit):
+        return []
+    first = spec.layers[0]
+    if not (first.tied and first.rank == 1 and first.heads == 1) or red.free != [(0, 0), (0, 1)]:
+        return []
+    return [0.0, math.pi / 4, math.pi / 2, math.pi, 5 * math.pi / 4, 3 * math.pi / 2, 2 * math.pi]
+
+
 def module_source(spec: Spec) -> str:
     d = derive(spec)
     red = d.reduction
@@ -250,6 +268,7 @@ def module_source(spec: Spec) -> str:
         f"FREE_K = np.array({[k for k, _ in free]!r}, dtype=np.int64)",
         f"FREE_T = np.array({[t for _, t in free]!r}, dtype=np.int64)",
         f"FREE_LOG = np.array({[int(i in (red.log_free if red else [])) for i in range(len(free))]!r}, dtype=np.int64)",
+        f"POLAR_ANGLES = np.array({_polar_angles(spec, d)!r}, dtype=np.float64)",
         f"EVEN_ROWS = {tuple(tuple(s['rows']) for s in d.symmetries if s['name'] != 'Z -> -Z')!r}",
         "",
         "",

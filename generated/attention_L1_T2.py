@@ -2,7 +2,7 @@
 
 model: attention_L1_T2
 spec hash: c3efac14bf93124d
-generator: 0.1.0+3d75fb8cf6
+generator: 0.1.0+4ef31bd23f
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'c3efac14bf93124d'
-GENERATOR_VERSION = '0.1.0+3d75fb8cf6'
+GENERATOR_VERSION = '0.1.0+4ef31bd23f'
 NAME = 'attention_L1_T2'
 P = 1
 T = 2
@@ -47,6 +47,7 @@ INTEGRAL_DIM = 0
 FREE_K = np.array([], dtype=np.int64)
 FREE_T = np.array([], dtype=np.int64)
 FREE_LOG = np.array([], dtype=np.int64)
+POLAR_ANGLES = np.array([], dtype=np.float64)
 EVEN_ROWS = ((0,),)
 
 
@@ -375,9 +376,7 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
     S2 = np.empty((pt, pt))
     dz = np.empty(pt)
     Cb = np.empty((D, D))
-    gmax = -math.inf
-    S0 = 0.0
-    Sw2 = 0.0
+    st = np.array([-math.inf, 0.0, 0.0])  # streamed [max log weight, S0, sum w^2]
     for it in range(n_adapt + 1):
         final = it == n_adapt
         rule = nodes if final else nodes_c
@@ -389,9 +388,9 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
             bS1[b, :] = 0.0
             bS2[b, :, :] = 0.0
         if final:
-            gmax = -math.inf
-            S0 = 0.0
-            Sw2 = 0.0
+            st[0] = -math.inf
+            st[1] = 0.0
+            st[2] = 0.0
             S1[:] = 0.0
             S2[:, :] = 0.0
         for b in range(N_BRANCHES):
@@ -431,25 +430,7 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
                     for k in range(i + 1):
                         bS2[b, i, k] += w * di * (u[k] - m[b, k])
                 if final:
-                    if lw > gmax:
-                        sc = math.exp(gmax - lw) if gmax > -math.inf else 0.0
-                        S0 *= sc
-                        Sw2 *= sc * sc
-                        for i in range(pt):
-                            S1[i] *= sc
-                            for k in range(pt):
-                                S2[i, k] *= sc
-                        gmax = lw
-                    w = math.exp(lw - gmax)
-                    S0 += w
-                    Sw2 += w * w
-                    for kk in range(p):
-                        for tt in range(nt):
-                            dz[kk * nt + tt] = z[kk, tt] - omega[kk, tt]
-                    for i in range(pt):
-                        S1[i] += w * dz[i]
-                        for k in range(i + 1):
-                            S2[i, k] += w * dz[i] * dz[k]
+                    _accumulate(lw, z, omega, st, S1, S2, dz)
         if not final:
             # re-centre each branch's rule on its posterior mean and covariance
             for b in range(N_BRANCHES):
@@ -471,6 +452,16 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
                     for i in range(D):
                         for k in range(D):
                             Lb[b, i, k] = L1[i, k]
+    return _finish(st[0], st[1], st[2], S1, S2, Vinv, g_out, dg_out, extra)
+
+
+@njit(cache=True)
+def _finish(gmax, S0, Sw2, S1, S2, Vinv, g_out, dg_out, extra):
+    """Posterior moments of z - omega (streamed sums S0, S1, S2 scaled by exp(-gmax)) ->
+    log Z_out, effective number of nodes, g_out and dg_out."""
+    p = P
+    nt = T
+    pt = p * nt
     if not (S0 > 0.0):
         return STATUS_ZERO_LIKELIHOOD
     extra[0] = gmax + math.log(S0)
@@ -505,14 +496,118 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
     return STATUS_OK
 
 
+@njit(cache=True)
+def _accumulate(lw, z, omega, st, S1, S2, dz):
+    """Add weight exp(lw) at z to the streamed sums; st = [gmax, S0, Sw2] (log-sum-exp)."""
+    p = P
+    nt = T
+    pt = p * nt
+    if lw > st[0]:
+        sc = math.exp(st[0] - lw) if st[0] > -math.inf else 0.0
+        st[1] *= sc
+        st[2] *= sc * sc
+        for i in range(pt):
+            S1[i] *= sc
+            for k in range(pt):
+                S2[i, k] *= sc
+        st[0] = lw
+    w = math.exp(lw - st[0])
+    st[1] += w
+    st[2] += w * w
+    for kk in range(p):
+        for tt in range(nt):
+            dz[kk * nt + tt] = z[kk, tt] - omega[kk, tt]
+    for i in range(pt):
+        S1[i] += w * dz[i]
+        for k in range(i + 1):
+            S2[i, k] += w * dz[i] * dz[k]
+
+
+@njit(cache=True)
+def denoise_one_polar(obs, omega, V, params, th, w_th, rr, w_r, g_out, dg_out, extra):
+    """Two free indices u = z_1 (layer 1 tied, rank one, T = 2): polar product rule on the disk
+    |u| <= R, R = |omega_u| + 9 sqrt(tr V_uu), with Gauss-Legendre angles in the sectors cut by
+    the lines u_1 = 0, u_2 = 0, u_1 = u_2 (POLAR_ANGLES), where the first layer's attention
+    switches, so that every sector's integrand is smooth: spectral convergence."""
+    p = P
+    nt = T
+    pt = p * nt
+    Lv = np.empty((p, p))
+    if not _cholesky(V, Lv):
+        return STATUS_BAD_V
+    Vinv = np.empty((p, p))
+    _chol_inverse(Lv, Vinv)
+    logdet_V = 0.0
+    for k in range(p):
+        logdet_V += 2.0 * math.log(Lv[k, k])
+    m2 = 0.0
+    tr = 0.0
+    for i in range(2):
+        m2 += omega[FREE_K[i], FREE_T[i]] ** 2
+        tr += V[FREE_K[i], FREE_K[i]]
+    R = math.sqrt(m2) + 9.0 * math.sqrt(tr)
+    z = np.zeros((p, nt))
+    u = np.empty(2)
+    st = np.array([-math.inf, 0.0, 0.0])
+    S1 = np.zeros(pt)
+    S2 = np.zeros((pt, pt))
+    dz = np.empty(pt)
+    n_sec = POLAR_ANGLES.shape[0] - 1
+    for b in range(N_BRANCHES):
+        for sec in range(n_sec):
+            a0 = POLAR_ANGLES[sec]
+            a1 = POLAR_ANGLES[sec + 1]
+            for i in range(th.shape[0]):
+                ang = 0.5 * (a0 + a1) + 0.5 * (a1 - a0) * th[i]
+                ca = math.cos(ang)
+                sa = math.sin(ang)
+                for j in range(rr.shape[0]):
+                    r = 0.5 * R * (rr[j] + 1.0)
+                    u[0] = r * ca
+                    u[1] = r * sa
+                    lj = branch(b, u, obs, params, z)
+                    if not (lj > -math.inf):
+                        continue
+                    lw = lj + _log_prior(z, omega, Vinv, logdet_V) + math.log(
+                        0.5 * (a1 - a0) * w_th[i] * 0.5 * R * w_r[j] * r)
+                    if lw != lw:
+                        return STATUS_NOT_FINITE
+                    _accumulate(lw, z, omega, st, S1, S2, dz)
+    return _finish(st[0], st[1], st[2], S1, S2, Vinv, g_out, dg_out, extra)
+
+
+@njit(cache=True)
+def polar_suits(omega, V):
+    """The polar rule pays where the prior marginal of u is centred near the origin and not
+    narrow; sharp (small V) or distant posteriors go to the adaptive Gauss-Hermite rule."""
+    a = V[FREE_K[0], FREE_K[0]]
+    c = V[FREE_K[1], FREE_K[1]]
+    bb = V[FREE_K[0], FREE_K[1]] if FREE_T[0] == FREE_T[1] else 0.0
+    half = 0.5 * (a + c)
+    disc = math.sqrt(max(0.25 * (a - c) ** 2 + bb * bb, 0.0))
+    lmin = half - disc
+    lmax = half + disc
+    m = math.sqrt(omega[FREE_K[0], FREE_T[0]] ** 2 + omega[FREE_K[1], FREE_T[1]] ** 2)
+    # conditional variance of the solved index given u: small means a sharp ridge in u
+    last = V.shape[0] - 1
+    cond = V[last, last] - V[last, FREE_K[0]] ** 2 / a
+    return lmin >= 0.0025 and lmin >= 0.0625 * lmax and m <= 3.0 * math.sqrt(lmax) and cond >= 0.1
+
+
 @njit(cache=True, parallel=True)
-def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate, g_out, dg_out,
-                  extra, status):
-    """Batch over the leading axis; V has leading size 1 (shared) or N."""
+def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate, th, w_th, rr, w_r,
+                  g_out, dg_out, extra, status):
+    """Batch over the leading axis; V has leading size 1 (shared) or N. Models with
+    POLAR_ANGLES use the polar rule (th, rr: Gauss-Legendre nodes on [-1, 1]) where it suits."""
     n = omega.shape[0]
     shared = V.shape[0] == 1
     for i in prange(n):
         Vi = V[0] if shared else V[i]
+        if POLAR_ANGLES.shape[0] > 0 and th.shape[0] > 0 and polar_suits(omega[i], Vi):
+            status[i] = denoise_one_polar(obs[i], omega[i], Vi, params, th, w_th, rr, w_r,
+                                          g_out[i], dg_out[i], extra[i])
+            extra[i, 1] = -extra[i, 1]  # negative ess marks the polar rule
+            continue
         status[i] = denoise_one(obs[i], omega[i], Vi, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
                                 g_out[i], dg_out[i], extra[i])
 
