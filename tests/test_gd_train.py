@@ -53,3 +53,23 @@ def test_averaged_estimator_not_worse(l2):
     kw = dict(d=60, alpha=4, seed=2, optimizer="adam", lr=0.03, epochs=60)
     one, avg = run_gd(l2, average=1, **kw), run_gd(l2, average=3, **kw)
     assert avg["final"]["test_error"] <= one["final"]["test_error"] * 1.1
+
+
+@pytest.mark.slow
+def test_adam_learns_first_layer_after_last(l2):
+    """Per seed: the last layer is learned (overlap > 0.9) before the first layer passes 0.5, and with
+    enough samples (alpha = 16) some seeds learn the first layer fully. Other seeds stall with the
+    first layer near 0.5 (a local minimum of the square loss; docs/amp.md), so not every seed is asked to."""
+    finals = []
+    for s in (1, 2, 3):
+        res = run_gd(l2, d=100, alpha=16, seeds=1, seed=s, optimizer="adam", lr=0.03, epochs=400)
+        ov, e = res["overlaps"]["layer"], np.asarray(res["epochs_logged"])
+        t2 = int(np.argmax(ov[:, 1] > 0.9))
+        assert ov[t2, 1] > 0.9
+        if np.any(ov[:, 0] > 0.5):
+            t1 = int(np.argmax(ov[:, 0] > 0.5))
+            assert e[t2] < e[t1], (s, e[t2], e[t1])
+        finals.append(ov[-1])
+    finals = np.array(finals)
+    assert np.all(finals[:, 1] > 0.99), finals
+    assert np.max(finals[:, 0]) > 0.99, finals
