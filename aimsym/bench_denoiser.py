@@ -69,24 +69,27 @@ def main(argv=None):
     Z, y = m.sample(64, rng)
     om = 0.6 * rng.standard_normal((64, 2, 2))
     V = np.array([[1.0, 0.2], [0.2, 0.8]])
-    ref = m.denoiser(nodes=256)(y, om, V)
+    ref = m.denoiser(nodes=256, polar=None)(y, om, V)
     print(f"threads available: {numba.config.NUMBA_NUM_THREADS}")
     print("two-layer T = 2, single thread, per evaluation of (g_out, dg_out, log_z_out):")
     numba.set_num_threads(1)
-    for nodes in (16, 24, 48, 96, 192):
-        den = m.denoiser(nodes=nodes)
+    rules = [("Gauss-Hermite", {"nodes": n, "polar": None}) for n in (16, 24, 48, 96, 192)]
+    rules += [("polar", {"polar": pr}) for pr in ((8, 24), (10, 32), (14, 40), (18, 48))]
+    for kind, acc in rules:
+        den = m.denoiser(**acc)
         den(y[:1], om[:1], V)  # compile / load
         t, out = _timed(lambda: den(y, om, V))
         err = np.max(np.abs(out.g_out - ref.g_out) / np.max(np.abs(ref.g_out), axis=(1, 2), keepdims=True))
-        print(f"  nodes {nodes:4d}: {1e6 * t / len(y):9.1f} us   max rel. error of g_out vs 256 nodes {err:.1e}")
+        print(f"  {kind:13s} {str(acc.get('polar') or acc['nodes']):9s}: {1e6 * t / len(y):9.1f} us   "
+              f"max rel. error of g_out vs 256-node Gauss-Hermite {err:.1e}")
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     big = args.batch
     Zb, yb = m.sample(big, rng)
     omb = 0.6 * rng.standard_normal((big, 2, 2))
-    for nodes in (16, 48):
-        den = m.denoiser(nodes=nodes)
+    for label, acc in (("GH 16 nodes", {"nodes": 16, "polar": None}), ("default (polar 18x48)", {})):
+        den = m.denoiser(**acc)
         t, _ = _timed(lambda: den(yb, omb, V), repeat=1)
-        print(f"  batch of {big} on {numba.get_num_threads()} threads, nodes {nodes}: {t:.2f} s "
+        print(f"  batch of {big} on {numba.get_num_threads()} threads, {label}: {t:.2f} s "
               f"({1e6 * t / big:.1f} us per evaluation)")
     for name, vals in (("attention_L3_T2", {"skip": 1.0}), ("attention_L2_T3", {"skip": 1.0})):
         mm = aimsym.load(ROOT / f"{name}.toml", **vals)
@@ -103,12 +106,12 @@ def main(argv=None):
         t0 = time.perf_counter()
         lz, mean = nquad_l2t2(h, om[0], V, 1.0)
         t_nq = time.perf_counter() - t0
-        den = m.denoiser(nodes=192)
+        den = m.denoiser()  # default: polar rule at this (moderate) V
         numba.set_num_threads(1)
         t_ex, out = _timed(lambda: den(y[:1], om[:1], V))
         g_nq = np.linalg.solve(V, mean - om[0])
         print(f"scipy nquad (tol 1e-10, log Z and E[Z|y] only): {t_nq:.1f} s per evaluation")
-        print(f"aimsym at 192 nodes: {1e3 * t_ex:.2f} ms; ratio nquad / aimsym = {t_nq / t_ex:.0f}; "
+        print(f"aimsym default: {1e3 * t_ex:.2f} ms; ratio nquad / aimsym = {t_nq / t_ex:.0f}; "
               f"|g_out - g_nquad| / |g| = {np.max(np.abs(out.g_out[0] - g_nq)) / np.max(np.abs(g_nq)):.1e}")
 
 

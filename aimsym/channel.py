@@ -33,8 +33,8 @@ DEFAULT_NODES = {1: 80, 2: 48, 3: 20, 4: 12, 5: 7, 6: 5}
 # Gaussian of the (often multimodal) reduced posterior is a worse rule than the prior marginal
 DEFAULT_ADAPT = {1: 1, 2: 1}
 # polar rule (angle nodes per sector, radial nodes) for two-layer T = 2 models (see the driver);
-# about 1e-9 relative at moderate V
-DEFAULT_POLAR = (14, 40)
+# about 2e-9 relative at moderate V (docs/denoiser.md)
+DEFAULT_POLAR = (18, 48)
 MAX_TENSOR_NODES = 200_000
 
 _STATUS = {
