@@ -26,8 +26,13 @@ def _align(lines: list[str]) -> str:
     return "\\begin{align*}\n" + " \\\\\n".join(lines) + "\n\\end{align*}\n"
 
 
+_TEX_SPECIAL = {"\\": r"\textbackslash{}", "_": r"\_", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
+                "{": r"\{", "}": r"\}", "^": r"\textasciicircum{}", "~": r"\textasciitilde{}"}
+
+
 def _esc(text: str) -> str:
-    return text.replace("_", r"\_").replace("&", r"\&").replace("%", r"\%")
+    """Plain text (names, reasons) made safe for LaTeX."""
+    return "".join(_TEX_SPECIAL.get(ch, ch) for ch in text)
 
 
 def architecture_section(d: Derivation) -> str:

@@ -22,8 +22,17 @@ def _symbol_names(exprs, extra: dict | None = None) -> dict:
                 names[s] = f"y_{{{s.name[2:]}}}"
             elif s.name.startswith("_d") and "__" in s.name and s not in names:
                 base, _, i = s.name[2:].rpartition("__")
-                names[s] = rf"\partial_{{{i}}}\mathrm{{{base.strip('_').replace('_', ' ')}}}"
+                inner = names.get(sp.Symbol(base, real=True)) or _plain(base)
+                names[s] = rf"\partial_{{{i}}}{inner}"
+            elif s.name.startswith("_") and s not in names:
+                names[s] = _plain(s.name)
     return names
+
+
+def _plain(name: str) -> str:
+    """An unnamed program intermediate ``_F0_1_0_0`` as ``\mathrm{F0}_{1,0,0}``."""
+    stem, *idx = name.strip("_").split("_")
+    return rf"\mathrm{{{stem}}}" + (f"_{{{','.join(idx)}}}" if idx else "")
 
 
 def latex(expr, **kw) -> str:
