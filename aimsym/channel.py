@@ -88,7 +88,13 @@ class Denoiser:
     """
 
     def __init__(self, model, *, nodes: int | None = None, adapt: int | None = None, inflate: float = 1.0,
-                 polar: tuple[int, int] | None = DEFAULT_POLAR):
+                 polar: tuple[int, int] | None | str = "auto"):
+        # an explicit Gauss-Hermite size is a request for that rule (e.g. the solvers' fast
+        # low-accuracy settings); the polar rule is the default only when neither is given
+        if isinstance(polar, str):
+            if polar != "auto":
+                raise ChannelError("polar", f"must be (angle nodes, radial nodes), None or 'auto'; got {polar!r}")
+            polar = DEFAULT_POLAR if nodes is None else None
         self.model = model
         self.kernels = model.kernels
         self.params = model.params_array()
