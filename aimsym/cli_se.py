@@ -40,6 +40,13 @@ def register(sub) -> None:
                    help="QMC points of the restricted SE along the staircase (default 2048)")
     p.add_argument("--no-staircase", action="store_true", dest="no_staircase")
     p.add_argument("--check", action="store_true", help="also locate alpha_c by SE with tiny side information")
+    p.add_argument("--over", default=None, metavar="NAME=START:STOP:NUM",
+                   help="phase diagram: thresholds at every value of one parameter (e.g. skip=0:4:16)")
+    p.add_argument("--stair-samples", type=int, default=1 << 13, dest="stair_samples",
+                   help="with --over: QMC points of the staircase operator (default 8192)")
+    p.add_argument("--workers", type=int, default=None, help="with --over: processes (default: all cores)")
+    p.add_argument("--out", default=None, help="with --over: write the phase diagram JSON here")
+    p.add_argument("--figure", default=None, help="with --over: draw the phase diagram (PNG) here")
     p.set_defaults(func=cmd_thresholds)
 
     try:
@@ -105,6 +112,8 @@ def cmd_thresholds(args) -> int:
     from .cli import print_json
     from .thresholds import threshold_report
 
+    if args.over:
+        return cmd_phase_diagram(args)
     model = load_model(args)
     rep = threshold_report(model, samples=args.samples, replicas=args.replicas, nodes=args.nodes, seed=args.seed,
                            staircase=not args.no_staircase, se_samples=args.se_samples, check=args.check)
@@ -118,4 +127,39 @@ def cmd_thresholds(args) -> int:
         print("   ", "  ".join(f"{v: .3f}" for v in row))
     for step in rep["staircase"]:
         print(f"subspace {step['subspace']}: alpha = {step['alpha']:.4f} ± {step['stderr']:.4f}")
+    return 0
+
+
+def cmd_phase_diagram(args) -> int:
+    import json
+
+    from .cli import print_json
+    from .sweep import parse_grid
+    from .thresholds import phase_diagram, phase_rows
+
+    name, _, grid = args.over.partition("=")
+    if not grid:
+        raise AimsymError("--over", f"expected NAME=START:STOP:NUM or NAME=V1,V2,..., got {args.over!r}")
+    if args.set:
+        raise AimsymError("--set", "not supported together with --over (one swept parameter)")
+    load_model(args)  # checks the file
+    values = parse_grid(grid)
+    pd = phase_diagram(args.model, name.strip(), values, workers=args.workers, progress=not args.json,
+                       samples=args.samples, replicas=args.replicas, stair_samples=args.stair_samples,
+                       se_samples=args.se_samples, seed=args.seed, nodes=args.nodes,
+                       staircase=not args.no_staircase)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(pd, fh, indent=1)
+    if args.figure:
+        from .plot import phase_diagram as draw
+
+        draw(phase_rows(pd), args.figure, title=f"{Path(args.model).stem}: thresholds vs {name}")
+    if args.json:
+        print_json(pd)
+        return 0
+    for pt in pd["points"]:
+        steps = "  ".join(f"{s['subspace']}: {s['alpha']:.4f}±{s['stderr']:.4f}" for s in pt["staircase"])
+        print(f"{name} = {pt[name]:<8.4g} {steps}" + (f"   ({pt['note']})" if pt["note"] else ""))
+    print(f"{pd['seconds']:.1f} s")
     return 0

@@ -44,14 +44,30 @@ def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title:
     plt.close(fig)
 
 
-def phase_diagram(points: list[dict], out, title: str = ""):
-    """points: {"skip", "alpha", "stderr", "step"}; thresholds vs skip with the 1/6 bound."""
+def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None = None):
+    """points: {"skip", "alpha", "stderr", "step"[, "subspace"]}; thresholds vs skip with the 1/6
+    bound, learning phases shaded (nothing / last layer / all layers for two layers)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for step in sorted({p["step"] for p in points}):
+    steps = sorted({p["step"] for p in points})
+    curves = []
+    for step in steps:
         pts = sorted((p for p in points if p["step"] == step), key=lambda p: p["skip"])
-        ax.errorbar([p["skip"] for p in pts], [p["alpha"] for p in pts], yerr=[p["stderr"] for p in pts],
-                    marker="o", ms=3, label=f"threshold {step + 1}")
+        sub = pts[0].get("subspace")
+        lab = (labels or {}).get(step) or (f"threshold {step + 1}" + (
+            f": layer{'s' if len(sub) > 1 else ''} {', '.join(str(i + 1) for i in sub)}" if sub else ""))
+        x = np.array([p["skip"] for p in pts])
+        y = np.array([p["alpha"] for p in pts])
+        ax.errorbar(x, y, yerr=[p["stderr"] for p in pts], marker="o", ms=3, capsize=2, label=lab)
+        curves.append((x, y))
+    if curves:
+        top = max(c[1].max() for c in curves) * 1.15
+        x0, y0 = curves[0]
+        ax.fill_between(x0, 0, y0, color="C7", alpha=0.08)
+        for i, (x, y) in enumerate(curves):
+            upper = curves[i + 1][1] if i + 1 < len(curves) and len(curves[i + 1][1]) == len(y) else np.full_like(y, top)
+            ax.fill_between(x, y, upper, color=f"C{i + 4}", alpha=0.08)
+        ax.set_ylim(0, top)
     ax.axhline(1 / 6, color="k", ls=":", lw=0.8, label="1/6")
     ax.set_xlabel("skip c")
     ax.set_ylabel("alpha")

@@ -133,15 +133,19 @@ def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se:
     p = model.p
     P = [i for i in range(p) if i not in learned]
     cache: dict[float, dict] = {}
-    warm = {"Q": None}
 
     def evaluate(alpha):
         if alpha in cache:
             return cache[alpha]
-        init = warm["Q"] if warm["Q"] is not None else "uninformed"
+        # warm start from the branch *below* alpha only (the uninformed branch continued upwards);
+        # a start from a larger alpha could land on an informed branch (e.g. Q*_U -> I)
+        below = [a for a in cache if a < alpha]
+        if below:
+            init = cache[max(below)]["Q"] + 1e-4 * np.diag(np.isin(np.arange(p), learned))  # keep it alive
+        else:
+            init = "uninformed"
         se = state_evolution(model, alpha, init=init, restrict=learned, channel=ch_se, errors=False,
                              tol=1e-5, init_eps=1e-3)
-        warm["Q"] = se.Q + 1e-4 * np.diag(np.isin(np.arange(p), learned))  # keep the branch alive
         op = operator(ch_op, se.Q, P)
         cache[alpha] = {"op": op, "Q": se.Q, "f": alpha * op["rho"] - 1.0}
         return cache[alpha]
@@ -237,3 +241,70 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
 
 
 _staircase = staircase
+
+
+# ----------------------------------------------------------------------------- phase diagram
+# At skip c = 0 the first-layer mixing matrix softmax(z1 z1^T) of the T = 2 model is exactly
+# singular on the line z1_0 = z1_1, which the symmetric Gauss-Hermite grid of the denoiser hits
+# node for node (division by zero in the generated kernel). The integrand's limit there is 0, and
+# the thresholds are continuous in c -> 0+, so c = 0 is evaluated at c = SKIP_FLOOR (recorded).
+SKIP_FLOOR = 1e-6
+
+
+def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, replicas: int = 8,
+                stair_samples: int = 1 << 13, se_samples: int = 1024, seed: int = 0, nodes=None,
+                stair_nodes=None, staircase: bool = True) -> dict:
+    """alpha_c and the staircase thresholds of one model at ``name = value`` (one phase-diagram point)."""
+    import aimsym
+
+    t0 = time.perf_counter()
+    used = float(value)
+    note = None
+    if name == "skip" and abs(used) < SKIP_FLOOR:
+        used, note = SKIP_FLOOR, f"skip {value} evaluated at {SKIP_FLOOR} (mixing matrix singular on z1_0 = z1_1)"
+    model = aimsym.load(model_path, **{name: used})
+    n_ini = nodes
+    n_st = stair_nodes if stair_nodes is not None else n_ini
+    ini = initial_threshold(model, samples=samples, replicas=replicas, nodes=n_ini, seed=seed)
+    steps = [{"subspace": ini["subspace"], "alpha": ini["alpha"], "stderr": ini["stderr"]}]
+    if staircase and len(ini["subspace"]) < model.p and np.isfinite(ini["alpha"]):
+        for s in _staircase(model, ini["alpha"], ini["subspace"], samples=stair_samples, replicas=replicas,
+                            se_samples=se_samples, nodes=n_st, seed=seed):
+            steps.append({k: s[k] for k in ("subspace", "alpha", "stderr")})
+    accuracy = {"samples": samples, "stair_samples": stair_samples, "se_samples": se_samples,
+                "replicas": replicas, "nodes_initial": n_ini, "nodes_staircase": n_st,
+                "rule": "scrambled Sobol (randomised QMC)"}
+    return {name: float(value), "evaluated_at": used, "note": note, "staircase": steps,
+            "direction": ini["direction"].tolist(), "seconds": time.perf_counter() - t0,
+            "provenance": provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,
+                                     parameters=dict(model.parameters))}
+
+
+def phase_diagram(model_path, name: str, values, *, workers=None, progress: bool = False, **kw) -> dict:
+    """:func:`phase_point` at every value, in a local (spawned) process pool; sorted by value."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    t0 = time.perf_counter()
+    values = [float(v) for v in values]
+    if not values:
+        raise AimsymError("--over", "needs at least one value")
+    if workers == 1:
+        pts = [phase_point(model_path, name, v, **kw) for v in values]
+    else:
+        from tqdm.auto import tqdm
+
+        pts = []
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+            futs = [ex.submit(phase_point, str(model_path), name, v, **kw) for v in values]
+            for f in tqdm(as_completed(futs), total=len(futs), desc="phase diagram", disable=not progress):
+                pts.append(f.result())
+    pts.sort(key=lambda d: d[name])
+    return {"model": str(model_path), "parameter": name, "points": pts, "seconds": time.perf_counter() - t0}
+
+
+def phase_rows(pd: dict) -> list[dict]:
+    """Flatten a :func:`phase_diagram` result to plot rows {"skip", "alpha", "stderr", "step"}."""
+    name = pd["parameter"]
+    return [{"skip": pt[name], "alpha": s["alpha"], "stderr": s["stderr"], "step": i,
+             "subspace": s["subspace"]} for pt in pd["points"] for i, s in enumerate(pt["staircase"])]

@@ -183,11 +183,43 @@ def test_two_layer_staircase_and_first_layer_overlap():
 
 @pytest.mark.slow
 def test_three_layers_last_first_then_two_together():
+    """Three layers (4-D reduced integral, 6 Gauss-Hermite nodes per dimension): the last layer is
+    learned first, then layers 1 and 2 together (one step whose direction covers both)."""
     model = aimsym.load(DER / "attention_L3_T2.toml", skip=1.0)
-    r = th.threshold_report(model, samples=1 << 12, se_samples=512)
+    r = th.threshold_report(model, samples=1 << 12, se_samples=512, nodes=6)
     assert r["initial"]["subspace"] == [2]
     stairs = r["staircase"]
-    assert stairs[1]["subspace"] == [0, 1] and stairs[1]["alpha"] > stairs[0]["alpha"]
+    print([(s["subspace"], s["alpha"], s["stderr"]) for s in stairs])
+    assert len(stairs) == 2
+    assert stairs[1]["subspace"] == [0, 1] and stairs[1]["alpha"] > stairs[0]["alpha"] + 0.1
+
+
+def test_phase_diagram_point_at_zero_skip_and_plot(tmp_path):
+    """skip 0 is evaluated at SKIP_FLOOR (singular mixing matrix on z1_0 = z1_1), recorded; the
+    value is the c -> 0+ limit (alpha_c larger than at skip 1, the 1/6 bound respected)."""
+    pt = th.phase_point(DER / "attention_L2_T2.toml", "skip", 0.0, samples=1 << 12, staircase=False, seed=4)
+    assert pt["evaluated_at"] == th.SKIP_FLOOR and "singular" in pt["note"]
+    a, s = pt["staircase"][0]["alpha"], pt["staircase"][0]["stderr"]
+    assert pt["staircase"][0]["subspace"] == [1] and 0 < s < 0.01
+    assert 0.25 < a < 0.30  # 0.2738 +- 0.0034 at 2^13 points
+    assert pt["provenance"]["seed"] == 4
+    from aimsym import plot
+
+    rows = th.phase_rows({"parameter": "skip", "points": [pt, {**pt, "skip": 1.0}]})
+    plot.phase_diagram(rows, tmp_path / "pd.png")
+    assert (tmp_path / "pd.png").stat().st_size > 1000
+
+
+def test_cli_phase_diagram_small(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "aimsym.cli", "thresholds", str(DER / "attention_L2_T2.toml"),
+                          "--over", "skip=1,4", "--samples", "2048", "--no-staircase", "--workers", "1",
+                          "--out", str(tmp_path / "pd.json"), "--figure", str(tmp_path / "pd.png"), "--json"],
+                         capture_output=True, text=True, check=True)
+    d = json.loads(out.stdout)
+    assert [p["skip"] for p in d["points"]] == [1.0, 4.0]
+    a1, a4 = (p["staircase"][0]["alpha"] for p in d["points"])
+    assert a4 < a1 and (tmp_path / "pd.png").is_file()
+    assert json.load(open(tmp_path / "pd.json"))["parameter"] == "skip"
 
 
 def test_cli_thresholds_json_small():
