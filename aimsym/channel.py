@@ -99,7 +99,8 @@ class Denoiser:
         self.kernels = model.kernels
         self.params = model.params_array()
         self.dim = int(self.kernels.INTEGRAL_DIM)
-        self.path = {"noisy": "generic", "halfspace": "closed-form"}.get(self.kernels.PATH, "exact")
+        self.path = {"noisy": "generic", "halfspace": "closed-form",
+                     "hardmax-wedge": "closed-form"}.get(self.kernels.PATH, "exact")
         if self.path == "generic" and not model.noise > 0:
             raise ChannelError(
                 "noise",
@@ -177,6 +178,8 @@ class Denoiser:
             raise ChannelError("V", "contains NaN or infinite entries")
         if self.kernels.PATH == "halfspace":
             return self._halfspace(y, omega, V)
+        if self.kernels.PATH == "hardmax-wedge":
+            return self._wedges(y, omega, V)
         obs = self.observe(y) if obs is None else np.asarray(obs, dtype=float)
         batch = np.broadcast_shapes(obs.shape[:-1], omega.shape[:-2], V.shape[:-2] if V.ndim > 2 else ())
         obs_f = np.ascontiguousarray(np.broadcast_to(obs, (*batch, obs.shape[-1])).reshape(-1, obs.shape[-1]))
@@ -228,6 +231,58 @@ class Denoiser:
         p = w.shape[-1]
         return DenoiserOutput(g_out=g[..., None], dg_out=dg.reshape(*w.shape[:-1], p, 1, p, 1),
                               log_z_out=log_z, ess=np.full(log_z.shape, np.inf), path=self.path)
+
+    def _wedges(self, y, omega, V, n_angle: int = 40) -> DenoiserOutput:
+        """One hardmax layer, T = 2, rank one: y fixes the signs of z_1 (z_1 - z_2) and
+        z_2 (z_2 - z_1), i.e. a union of the six wedges cut by z_1 = 0, z_2 = 0, z_1 = z_2.
+        On each wedge the radial integrals of r^k N(r e; omega, v I) are closed forms
+        (erfcx, stable in the tail); the angle is integrated by Gauss-Legendre (smooth)."""
+        from scipy.special import erfcx
+
+        y = np.asarray(y, dtype=float)
+        if y.shape[-2:] != (2, 2) or not np.all(np.isin(y, (0.0, 1.0))) or np.any(y.sum(axis=-1) != 1):
+            raise ChannelError("y", "a hardmax output must have rows with a single 1 and zeros elsewhere")
+        batch = np.broadcast_shapes(y.shape[:-2], omega.shape[:-2], V.shape[:-2] if V.ndim > 2 else ())
+        yb = np.broadcast_to(y, (*batch, 2, 2)).reshape(-1, 2, 2)
+        w = np.broadcast_to(omega, (*batch, 1, 2)).reshape(-1, 2)
+        v = np.broadcast_to(V, (*batch, 1, 1)).reshape(-1)
+        if np.any(~(v > 0)):
+            raise ChannelError("V", "must be positive")
+        edges = np.array([0, 1, 2, 4, 5, 6, 8]) * np.pi / 4
+        t, wt = np.polynomial.legendre.leggauss(n_angle)
+        n = len(w)
+        Z0, Z1, Z2 = np.zeros(n), np.zeros((n, 2)), np.zeros((n, 2, 2))
+        logs, terms = [], []
+        for a0, a1 in zip(edges[:-1], edges[1:]):
+            mid = np.array([np.cos((a0 + a1) / 2), np.sin((a0 + a1) / 2)])
+            pattern = np.outer(mid, mid)
+            hm = (pattern == pattern.max(axis=1, keepdims=True)).astype(float)  # hardmax of the wedge
+            inside = np.all(yb == hm, axis=(1, 2))
+            th = 0.5 * (a0 + a1) + 0.5 * (a1 - a0) * t
+            e = np.stack([np.cos(th), np.sin(th)], axis=1)  # (n_angle, 2)
+            c = w @ e.T  # (n, n_angle)
+            a = c / np.sqrt(v)[:, None]
+            m = np.sqrt(np.pi / 2) * erfcx(-a / np.sqrt(2))  # sqrt(2 pi) Phi(a) e^{a^2/2}
+            I1, I2, I3 = 1 + a * m, a + (1 + a**2) * m, a**2 + 2 + (a**3 + 3 * a) * m  # times e^{-a^2/2}
+            logw = -0.5 * ((w**2).sum(axis=1)[:, None] / v[:, None]) + np.log(0.5 * (a1 - a0) * wt)[None, :]
+            logs.append(np.where(inside[:, None], logw, -np.inf))
+            terms.append((I1, I2, I3, e))
+        big = np.max(np.concatenate(logs, axis=1), axis=1)
+        if np.any(~np.isfinite(big)):
+            raise ChannelError("y", "has zero likelihood under the model (no wedge matches)")
+        sv = np.sqrt(v)
+        for lw, (I1, I2, I3, e) in zip(logs, terms):
+            k = np.exp(lw - big[:, None]) / (2 * np.pi)
+            Z0 += (k * I1).sum(axis=1)
+            Z1 += np.einsum("na,ai->ni", k * I2, e) * sv[:, None]
+            Z2 += np.einsum("na,ai,aj->nij", k * I3, e, e) * v[:, None, None]
+        mean = Z1 / Z0[:, None]
+        cov = Z2 / Z0[:, None, None] - np.einsum("ni,nj->nij", mean, mean)
+        g = (mean - w) / v[:, None]
+        dg = cov / v[:, None, None] ** 2 - np.eye(2)[None] / v[:, None, None]
+        log_z = big + np.log(Z0)
+        return DenoiserOutput(g_out=g.reshape(*batch, 1, 2), dg_out=dg.reshape(*batch, 1, 2, 1, 2),
+                              log_z_out=log_z.reshape(batch), ess=np.full(batch, np.inf), path=self.path)
 
     def _run(self, obs, omega, V, rule, polar):
         n = omega.shape[0]

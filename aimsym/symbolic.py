@@ -402,8 +402,17 @@ def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix):
         why.append(f"last layer has {last.heads} heads (needs 1)")
     if not last.tied:
         why.append("last layer untied (needs tied query/key)")
+    if (last.activation == "hardmax" and not why and len(spec.layers) == 1 and spec.tokens == 2
+            and not spec.depth_limit):
+        red = Reduction(kind="hardmax-wedge", free=[], solved=[(0, 0), (0, 1)],
+                        obs=[sp.Symbol("y_0", real=True)], branches=[], log_jacobian=[],
+                        notes=["y = hardmax(beta z z^T) fixes the signs of z_1, z_2, z_1 - z_2: the posterior "
+                               "is the Gaussian restricted to a union of wedges (closed form in radius, "
+                               "Gauss-Legendre in angle)"])
+        return red, "hardmax, one layer, T = 2: region constraint (union of wedges), closed form"
     if last.activation not in ("softmax", "linear"):
-        why.append(f"last activation {last.activation} (needs softmax or linear; hardmax gives region constraints)")
+        why.append(f"last activation {last.activation} (needs softmax or linear; hardmax gives region constraints, "
+                   "handled for one layer and T = 2)")
     if why:
         return None, "no exact reduction: " + "; ".join(why)
     T = spec.tokens

@@ -99,6 +99,40 @@ def test_one_softmax_layer_two_point_closed_form(beta):
     assert np.allclose(out.dg_out[:, 0, :, 0, :], dg, rtol=1e-9, atol=1e-10)
 
 
+def test_hardmax_one_layer_region_against_polar_quadrature():
+    """Independent check of the wedge closed form: scipy dblquad in polar coordinates on each
+    of the six wedges whose hardmax pattern matches y."""
+    m = load("attention_hardmax_L1_T2")
+    assert m.denoiser().path == "closed-form"
+    rng = np.random.default_rng(11)
+    _, y = m.sample(3, rng)
+    om = rng.normal(size=(3, 1, 2))
+    v = 0.6
+    out = m.denoiser()(y, om, v * np.eye(1))
+    edges = np.array([0, 1, 2, 4, 5, 6, 8]) * np.pi / 4
+    for i in range(3):
+        mom = np.zeros(3)
+        for a0, a1 in zip(edges[:-1], edges[1:]):
+            e = np.array([np.cos((a0 + a1) / 2), np.sin((a0 + a1) / 2)])
+            P = np.outer(e, e)
+            if not np.array_equal((P == P.max(axis=1, keepdims=True)).astype(float), y[i]):
+                continue
+            for k in range(3):
+                f = lambda r, th, k=k: r * norm.pdf(r * np.cos(th), om[i, 0, 0], np.sqrt(v)) * norm.pdf(  # noqa: E731
+                    r * np.sin(th), om[i, 0, 1], np.sqrt(v)) * (1.0, r * np.cos(th), r * np.sin(th))[k]
+                mom[k] += integrate.dblquad(f, a0, a1, 0, 30, epsabs=1e-13, epsrel=1e-11)[0]
+        mean = mom[1:] / mom[0]
+        assert np.isclose(out.log_z_out[i], np.log(mom[0]), rtol=1e-9)
+        assert np.allclose(out.g_out[i, 0], (mean - om[i, 0]) / v, rtol=1e-8, atol=1e-10)
+
+
+def test_hardmax_rejects_non_hardmax_outputs():
+    m = load("attention_hardmax_L1_T2")
+    with pytest.raises(ChannelError) as err:
+        m.denoiser()(np.array([[0.5, 0.5], [0.0, 1.0]]), np.zeros((1, 2)), np.eye(1))
+    assert err.value.field == "y"
+
+
 # ----------------------------------------------------------------------------- identities
 
 # (model, parameter values, accuracy); the FD tolerance below is relative to the rule's accuracy
@@ -110,6 +144,7 @@ MODELS = [
     ("mim_product", {}, {"nodes": 256}),
     ("glm_phase_retrieval", {}, {}),
     ("gaussian_channel", {"Delta": 0.5}, {}),
+    ("attention_hardmax_L1_T2", {}, {}),
 ]
 
 
@@ -167,7 +202,7 @@ def test_uninformed_g_out_vanishes_for_even_models(name, values, acc):
     assert np.max(np.abs(out.g_out)) < 1e-10
 
 
-@pytest.mark.parametrize("name,values,acc", [MODELS[0], MODELS[3], MODELS[4], MODELS[5]])
+@pytest.mark.parametrize("name,values,acc", [MODELS[0], MODELS[3], MODELS[4], MODELS[5], MODELS[7]])
 def test_nishimori_identity(name, values, acc):
     m = load(name, **values)
     rng = np.random.default_rng(7)
