@@ -2,7 +2,7 @@
 
 model: attention_L1_T2
 spec hash: c3efac14bf93124d
-generator: 0.1.0+4ef31bd23f
+generator: 0.1.0+2d4f3aeabb
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'c3efac14bf93124d'
-GENERATOR_VERSION = '0.1.0+4ef31bd23f'
+GENERATOR_VERSION = '0.1.0+2d4f3aeabb'
 NAME = 'attention_L1_T2'
 P = 1
 T = 2
@@ -232,6 +232,20 @@ def _chol_inverse(L, Ainv):
 
 
 @njit(cache=True)
+def _precision(V, Vinv):
+    """V^{-1} into Vinv; returns log det V, or NaN if V is not symmetric positive definite."""
+    p = V.shape[0]
+    Lv = np.empty((p, p))
+    if not _cholesky(V, Lv):
+        return math.nan
+    _chol_inverse(Lv, Vinv)
+    logdet = 0.0
+    for k in range(p):
+        logdet += 2.0 * math.log(Lv[k, k])
+    return logdet
+
+
+@njit(cache=True)
 def h_from_y(y, beta, h):
     """Inverse output map of the last attention layer: y = sigma(beta h h^T) -> h (up to sign).
 
@@ -331,14 +345,10 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
     nt = T
     D = INTEGRAL_DIM
     pt = p * nt
-    Lv = np.empty((p, p))
-    if not _cholesky(V, Lv):
-        return STATUS_BAD_V
     Vinv = np.empty((p, p))
-    _chol_inverse(Lv, Vinv)
-    logdet_V = 0.0
-    for k in range(p):
-        logdet_V += 2.0 * math.log(Lv[k, k])
+    logdet_V = _precision(V, Vinv)
+    if logdet_V != logdet_V:
+        return STATUS_BAD_V
     # proposal per branch: mean m (D), Cholesky factor Lb (D, D); start at the prior marginal
     m = np.empty((N_BRANCHES, D))
     Lb = np.zeros((N_BRANCHES, D, D))
@@ -532,14 +542,10 @@ def denoise_one_polar(obs, omega, V, params, th, w_th, rr, w_r, g_out, dg_out, e
     p = P
     nt = T
     pt = p * nt
-    Lv = np.empty((p, p))
-    if not _cholesky(V, Lv):
-        return STATUS_BAD_V
     Vinv = np.empty((p, p))
-    _chol_inverse(Lv, Vinv)
-    logdet_V = 0.0
-    for k in range(p):
-        logdet_V += 2.0 * math.log(Lv[k, k])
+    logdet_V = _precision(V, Vinv)
+    if logdet_V != logdet_V:
+        return STATUS_BAD_V
     m2 = 0.0
     tr = 0.0
     for i in range(2):
