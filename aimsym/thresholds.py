@@ -168,7 +168,18 @@ def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se:
     slope = (evaluate(a2)["f"] - ev["f"]) / (a2 - root)
     stderr = root * ev["op"]["rho_stderr"] / max(slope, 1e-12)
     th = _as_threshold(ev["op"], 1.0)
-    th.update(alpha=float(root), stderr=float(stderr), Q_branch=ev["Q"])
+    th.update(alpha=float(root), stderr=float(stderr), Q_branch=ev["Q"], jump=False)
+    # The branch Q*_U(alpha) can jump to perfect recovery of U (Q*_U -> I, a first-order
+    # transition of the restricted SE). Across the jump alpha * rho jumps from < 1 to > 1 (the
+    # degenerate "U perfectly learned" operator of theory section 5), so the root sits at the
+    # jump: the linear-stability direction there is meaningless and every index of P becomes
+    # learnable at once. Flag it; subspace = P; stderr = the bracket of the jump.
+    a1 = root * 0.99
+    q_lo = float(np.max(np.diag(evaluate(a1)["Q"])[list(learned)]))
+    q_hi = float(np.max(np.diag(evaluate(a2)["Q"])[list(learned)]))
+    if q_hi > 1 - 1e-6 and q_lo < 1 - 1e-3:
+        th.update(jump=True, subspace=list(P), stderr=float(a2 - a1) / 2,
+                  direction=np.eye(len(P)) / np.sqrt(len(P)))
     return th
 
 
@@ -181,7 +192,7 @@ def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14
     while len(learned) < model.p:
         th = next_threshold(model, learned, alpha, ch_op=ch_op, ch_se=ch_se)
         sub = th["subspace"] or [i for i in range(model.p) if i not in learned]
-        steps.append({"subspace": sub, "alpha": th["alpha"], "stderr": th["stderr"],
+        steps.append({"subspace": sub, "alpha": th["alpha"], "stderr": th["stderr"], "jump": th["jump"],
                       "direction": th["direction"], "rho": th["rho"], "Q_branch": th["Q_branch"]})
         learned, alpha = sorted(set(learned) | set(sub)), th["alpha"]
     return steps
@@ -270,7 +281,7 @@ def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, 
     if staircase and len(ini["subspace"]) < model.p and np.isfinite(ini["alpha"]):
         for s in _staircase(model, ini["alpha"], ini["subspace"], samples=stair_samples, replicas=replicas,
                             se_samples=se_samples, nodes=n_st, seed=seed):
-            steps.append({k: s[k] for k in ("subspace", "alpha", "stderr")})
+            steps.append({k: s[k] for k in ("subspace", "alpha", "stderr", "jump")})
     accuracy = {"samples": samples, "stair_samples": stair_samples, "se_samples": se_samples,
                 "replicas": replicas, "nodes_initial": n_ini, "nodes_staircase": n_st,
                 "rule": "scrambled Sobol (randomised QMC)"}

@@ -182,6 +182,19 @@ def test_two_layer_staircase_and_first_layer_overlap():
 
 
 @pytest.mark.slow
+def test_three_layers_se_curves_two_earlier_layers_together():
+    """SE (6 nodes, 512 points): at alpha 0.7 only the last layer is learned; at 1.0 layers 1
+    and 2 both have left zero (measured onset of both between 0.8 and 0.9, docs/se.md)."""
+    model = aimsym.load(DER / "attention_L3_T2.toml", skip=1.0)
+    ch = se.make_channel(model, samples=512, replicas=8, seed=0, nodes=6)
+    lo = se.state_evolution(model, 0.7, channel=ch, errors=False, tol=1e-3)
+    hi = se.state_evolution(model, 1.0, channel=ch, errors=False, tol=1e-3)
+    print(np.diag(lo.Q), np.diag(hi.Q))
+    assert lo.Q[2, 2] > 0.9 and lo.Q[0, 0] < 1e-3 and lo.Q[1, 1] < 1e-3
+    assert hi.Q[0, 0] > 0.05 and hi.Q[1, 1] > 0.05 and hi.Q[2, 2] > lo.Q[2, 2]
+
+
+@pytest.mark.slow
 def test_three_layers_last_first_then_two_together():
     """Three layers (4-D reduced integral, 6 Gauss-Hermite nodes per dimension): the last layer is
     learned first, then layers 1 and 2 together (one step whose direction covers both)."""
