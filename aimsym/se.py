@@ -344,7 +344,11 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         Q_hat_r, _ = se_map(ch, Q, alpha)
         Q_new = q_from_q_hat(Q_hat_r.mean(axis=0) * mask, Lam) * mask
         history.append(float(np.max(np.abs(Q_new - Q))))
-        if _converged(history[start:], Q_new, tol):
+        # still growing out of Q ~ 0 (an uninformed start just above a threshold grows by a factor
+        # alpha * rho ~ 1 per step while transients decay): not converged, whatever the step size
+        q_old, q_new = float(np.max(np.abs(Q))), float(np.max(np.abs(Q_new)))
+        escaping = q_new < 0.01 and q_new > q_old * (1 + tol)
+        if not escaping and _converged(history[start:], Q_new, tol):
             return Q_new, it, True
         Q_plain = damping * Q + (1 - damping) * Q_new
         # Anderson only while the plain map contracts (it would also find unstable fixed
