@@ -283,12 +283,14 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
                     restrict=None, damping: float = 0.0, tol: float = 1e-4, max_iter: int = 500,
                     samples: int = 4096, replicas: int = 8, nodes=None, seed=0, errors: bool = True,
                     channel: Channel | None = None, init_eps: float = 1e-4, coarse: int = 8,
-                    anderson: int = 3) -> SEResult:
+                    anderson: int = 3, stop=None) -> SEResult:
     """Iterate the SE to a fixed point (see :func:`_converged` for the test).
 
     side_info / side_block: lambda on a block of indices (all if None). ``restrict``: indices U;
     Q is kept zero outside U x U (the SE branch supported on U used by the staircase).
     ``channel``: reuse a :func:`make_channel` (same points) across calls, e.g. along alpha.
+    ``stop``: optional predicate on Q; the iteration ends (converged = False) as soon as it holds
+    (e.g. "the overlap has left zero", all a bisection needs to know).
     """
     alpha = float(alpha)
     if not (np.isfinite(alpha) and alpha >= 0):
@@ -309,8 +311,10 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
         if stage == 0 and coarse <= 1:
             continue
         Q, n_it, converged = _iterate(rule, Q, alpha, Lam, mask, damping, stage_tol, max_iter - it, history,
-                                      anderson)
+                                      anderson, stop)
         it += n_it
+        if stop is not None and stop(Q):
+            break
     Q_hat_r, psi_r = se_map(ch, Q, alpha)
     Q_hat_r = Q_hat_r * mask
     Q_hat, Q_hat_se = mean_and_stderr(Q_hat_r)
@@ -336,7 +340,7 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
     )
 
 
-def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=3):
+def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=3, stop=None):
     """Damped fixed-point iteration of the SE map; returns (Q, iterations, converged)."""
     start = len(history)
     xs, gs = [], []  # Anderson memory: iterates and their images
@@ -350,6 +354,8 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         escaping = q_new < 0.01 and q_new > q_old * (1 + tol)
         if not escaping and _converged(history[start:], Q_new, tol):
             return Q_new, it, True
+        if stop is not None and stop(Q_new):
+            return Q_new, it, False
         Q_plain = damping * Q + (1 - damping) * Q_new
         # Anderson only while the plain map contracts (it would also find unstable fixed
         # points, e.g. Q = 0 above a weak-recovery threshold)

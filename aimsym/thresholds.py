@@ -212,7 +212,8 @@ def threshold_by_side_information(model, *, lo: float, hi: float, block=None, le
 
     def learned_at(alpha):
         r = state_evolution(model, alpha, init=init, side_info=lam, side_block=block, channel=ch,
-                            errors=False, tol=1e-6, max_iter=2000)
+                            errors=False, tol=1e-6, max_iter=2000,
+                            stop=lambda Q: float(np.max(np.diag(Q)[block])) > level)
         return float(np.max(np.diag(r.Q)[block])) > level
 
     if learned_at(lo) or not learned_at(hi):
