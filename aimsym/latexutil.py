@@ -30,7 +30,7 @@ def _symbol_names(exprs, extra: dict | None = None) -> dict:
 
 
 def _plain(name: str) -> str:
-    """An unnamed program intermediate ``_F0_1_0_0`` as ``\mathrm{F0}_{1,0,0}``."""
+    r"""An unnamed program intermediate ``_F0_1_0_0`` as ``\mathrm{F0}_{1,0,0}``."""
     stem, *idx = name.strip("_").split("_")
     return rf"\mathrm{{{stem}}}" + (f"_{{{','.join(idx)}}}" if idx else "")
 
