@@ -350,8 +350,9 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         history.append(float(np.max(np.abs(Q_new - Q))))
         # still growing out of Q ~ 0 (an uninformed start just above a threshold grows by a factor
         # alpha * rho ~ 1 per step while transients decay): not converged, whatever the step size
-        q_old, q_new = float(np.max(np.abs(Q))), float(np.max(np.abs(Q_new)))
-        escaping = q_new < 0.01 and q_new > q_old * (1 + tol)
+        # (per diagonal entry: one layer can be escaping while another is already learned)
+        d_old, d_new = np.diag(Q), np.diag(Q_new)
+        escaping = bool(np.any((d_new < 0.01) & (d_new > 1e-12) & (d_new > d_old * (1 + tol))))
         if not escaping and _converged(history[start:], Q_new, tol):
             return Q_new, it, True
         if stop is not None and stop(Q_new):
