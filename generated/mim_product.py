@@ -2,7 +2,7 @@
 
 model: mim_product
 spec hash: 256c784af7e77580
-generator: 0.1.0+2d4f3aeabb
+generator: 0.1.0+99a230c406
 denoiser path: exact (solved y = g(Z) for z_1_0 (1 branch))
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '256c784af7e77580'
-GENERATOR_VERSION = '0.1.0+2d4f3aeabb'
+GENERATOR_VERSION = '0.1.0+99a230c406'
 NAME = 'mim_product'
 P = 2
 T = 1
@@ -357,7 +357,7 @@ def denoise_one(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, 
                     u[i] = s
                     xi2 += rule[j, i] * rule[j, i]
                 lj = branch(b, u, obs, params, z)
-                if not (lj > -math.inf):
+                if not (-math.inf < lj < math.inf):  # zero weight (or det M = 0: a null set)
                     continue
                 lw = lj + _log_prior(z, omega, Vinv, logdet_V)
                 if D > 0:
@@ -513,7 +513,7 @@ def denoise_one_polar(obs, omega, V, params, th, w_th, rr, w_r, g_out, dg_out, e
                     u[0] = r * ca
                     u[1] = r * sa
                     lj = branch(b, u, obs, params, z)
-                    if not (lj > -math.inf):
+                    if not (-math.inf < lj < math.inf):
                         continue
                     lw = lj + _log_prior(z, omega, Vinv, logdet_V) + math.log(
                         0.5 * (a1 - a0) * w_th[i] * 0.5 * R * w_r[j] * r)
