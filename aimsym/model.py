@@ -50,7 +50,7 @@ class Model:
 
     def with_values(self, **values) -> "Model":
         merged = dict(self.values)
-        merged.update(_resolve(self.spec, values))
+        merged.update(spec_mod.resolve_values(self.spec, values))
         return Model(self.spec, tuple(sorted(merged.items())))
 
     # ------------------------------------------------------------------ stages
@@ -131,38 +131,6 @@ class Model:
         s = self.derivation.summary()
         s["values"] = dict(self.values)
         return s
-
-
-def _resolve(spec: Spec, values: dict) -> dict[str, float]:
-    """Map user keys (parameter names, or the field names skip/beta/noise) to parameters."""
-    names = set(spec.parameters())
-    fields: dict[str, set[str]] = {"skip": set(), "beta": set(), "noise": set()}
-    if isinstance(spec, AttentionSpec):
-        for layer in spec.layers:
-            if isinstance(layer.skip, str):
-                fields["skip"].add(layer.skip)
-            if isinstance(layer.beta, str):
-                fields["beta"].add(layer.beta)
-    if isinstance(spec.noise, str):
-        fields["noise"].add(spec.noise)
-    out: dict[str, float] = {}
-    for key, val in values.items():
-        try:
-            v = float(val)
-        except (TypeError, ValueError):
-            raise SpecError(key, f"expected a number, got {val!r}") from None
-        if not np.isfinite(v):
-            raise SpecError(key, f"must be finite, got {val!r}")
-        if key in names:
-            out[key] = v
-        elif key in fields and fields[key]:
-            for n in fields[key]:
-                out[n] = v
-        else:
-            allowed = sorted(names | {k for k, s in fields.items() if s})
-            raise SpecError(key, "not a symbolic parameter of this model; "
-                                 f"allowed: {', '.join(allowed) if allowed else '(none: the model has no symbols)'}")
-    return out
 
 
 def load(source, **values) -> Model:

@@ -419,39 +419,53 @@ def to_toml(spec: Spec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bind(spec: Spec, values: dict[str, float]) -> Spec:
-    """Replace symbolic parameters by numbers. Keys are parameter names, or the field
-    names ``skip``/``beta``/``noise`` (applied to every layer that holds a symbol there)."""
+def resolve_values(spec: Spec, values: dict) -> dict[str, float]:
+    """Map user keys (parameter names, or the field names skip/beta/noise) to parameters."""
     names = set(spec.parameters())
-    fields = {"skip", "beta", "noise"}
+    fields: dict[str, set[str]] = {"skip": set(), "beta": set(), "noise": set()}
+    if isinstance(spec, AttentionSpec):
+        for layer in spec.layers:
+            if isinstance(layer.skip, str):
+                fields["skip"].add(layer.skip)
+            if isinstance(layer.beta, str):
+                fields["beta"].add(layer.beta)
+    if isinstance(spec.noise, str):
+        fields["noise"].add(spec.noise)
+    out: dict[str, float] = {}
     for key, val in values.items():
-        if key not in names and key not in fields:
-            allowed = sorted(names | fields)
-            raise SpecError(key, f"not a parameter of this model; allowed: {', '.join(allowed)}")
-        _param(val, key)
-        if isinstance(val, str):
-            raise SpecError(key, f"expected a number, got {val!r}")
+        try:
+            v = float(val)
+        except (TypeError, ValueError):
+            raise SpecError(key, f"expected a number, got {val!r}") from None
+        if not math.isfinite(v):
+            raise SpecError(key, f"must be finite, got {val!r}")
+        if key in names:
+            out[key] = v
+        elif key in fields and fields[key]:
+            for n in fields[key]:
+                out[n] = v
+        else:
+            allowed = sorted(names | {k for k, s in fields.items() if s})
+            raise SpecError(key, "not a symbolic parameter of this model; "
+                                 f"allowed: {', '.join(allowed) if allowed else '(none: the model has no symbols)'}")
+    return out
 
-    def sub(fld, v):
-        if isinstance(v, str):
-            if v in values:
-                return float(values[v])
-            if fld in values:
-                return float(values[fld])
-        return v
+
+def bind(spec: Spec, values: dict[str, float]) -> Spec:
+    """Replace symbolic parameters by numbers (keys as in :func:`resolve_values`)."""
+    vals = resolve_values(spec, values)
+
+    def sub(v):
+        return vals.get(v, v) if isinstance(v, str) else v
 
     if isinstance(spec, AttentionSpec):
         layers = tuple(
-            replace(
-                layer,
-                skip=sub("skip", layer.skip),
-                beta=sub("beta", layer.beta),
-                readout=None if layer.readout is None else tuple(sub("readout", a) for a in layer.readout),
-            )
+            replace(layer, skip=sub(layer.skip), beta=sub(layer.beta),
+                    readout=None if layer.readout is None else tuple(sub(a) for a in layer.readout))
             for layer in spec.layers
         )
-        return replace(spec, layers=layers, noise=sub("noise", spec.noise))
-    return replace(spec, noise=sub("noise", spec.noise))
+        return replace(spec, layers=layers, noise=sub(spec.noise), tau=sub(spec.tau))
+    return replace(spec, noise=sub(spec.noise))
 
 
 def parse_assignments(items: list[str] | None) -> dict[str, float]:
