@@ -50,7 +50,7 @@ def register(subparsers) -> None:
     p.add_argument("--init", default="uninformed", help="uninformed or informed (with --method iterate)")
     p.add_argument("--damping", type=float, default=0.0, help="damping in [0, 1) (iterate)")
     p.add_argument("--small-width", action="store_true",
-                   help="hardmax T=2, rho -> 0: --alpha is alpha_bar = alpha / rho")
+                   help="hardmax T=2 or 3, rho -> 0: --alpha is alpha_bar = alpha / rho")
     p.set_defaults(func=_cmd_se)
 
     p = sub.add_parser("thresholds", help="perfect- and weak-recovery thresholds")
@@ -89,9 +89,9 @@ def _cmd_se(args) -> int:
 
     alphas, is_list = parse_grid(args.alpha)
     if args.small_width:
-        if args.activation != "hardmax" or args.tokens != 2:
-            raise AimsymError("--small-width", "only for --activation hardmax --tokens 2")
-        rows = [dict(se.small_width_se(a, init=args.init)) for a in alphas]
+        if args.activation != "hardmax" or args.tokens not in (2, 3):
+            raise AimsymError("--small-width", "only for --activation hardmax --tokens 2 or 3")
+        rows = [dict(se.small_width_se(a, init=args.init, tokens=args.tokens)) for a in alphas]
         for r in rows:
             r["provenance"] = provenance(accuracy={"tol": 1e-12})
     elif args.method == "iterate":

@@ -221,17 +221,19 @@ def solve_root(alpha, rho, tokens=2, activation="hardmax", beta=1.0, channel=Non
     logD = brentq(F, a, b, xtol=1e-10, rtol=1e-10)
     D = float(np.exp(logD))
     m = rie_mmse(D, rho)
-    return SEResult(alpha, Q0 - m, 1.0 / D, m, rho, ch.tokens, ch.activation, ch.beta, "root",
-                    accuracy={"xtol_logDelta": 1e-10, "quad_step": getattr(ch, "step", None)})
+    acc = {"xtol_logDelta": 1e-10, "quad_step": getattr(ch, "step", None)}
+    acc.update(getattr(ch, "accuracy", {}))
+    return SEResult(alpha, Q0 - m, 1.0 / D, m, rho, ch.tokens, ch.activation, ch.beta, "root", accuracy=acc)
 
 
-def curve(alphas, rho, tokens=2, activation="softmax", beta=1.0, progress=False):
+def curve(alphas, rho, tokens=2, activation="softmax", beta=1.0, progress=False, channel=None):
     """SE on a grid of alpha. Softmax/linear: parametric; hardmax: root-finding with
-    continuation (each solution brackets the next)."""
+    continuation (each solution brackets the next). Hardmax T = 3 evaluates I(q, V) = J(q/V)/V from
+    an interpolant of J built on first use (about 40 s on 2 cores, then ~free)."""
     alphas = np.atleast_1d(np.asarray(alphas, dtype=float))
     if activation in ("softmax", "linear"):
         return softmax_curve(alphas, rho, tokens, activation, beta)
-    ch = make_channel(activation, tokens, beta)
+    ch = channel or make_channel(activation, tokens, beta)
     out, guess = [None] * len(alphas), None
     order = np.argsort(alphas)
     it = order
@@ -264,19 +266,22 @@ def solve(alpha, rho, tokens=2, activation="softmax", beta=1.0, *, method="auto"
 # ---------------------------------------------------------------------------------------
 
 
-def small_width_alpha_bar_c() -> float:
-    """Weak-recovery threshold alpha_bar_c = 1 / (2 E[G^2]) at q = 0 (arcsin(1/3) closed form)."""
+def small_width_alpha_bar_c(tokens=2) -> float:
+    """Weak-recovery threshold alpha_bar_c = 1 / (2 E[G^2]) at q = 0. T = 2: arcsin(1/3) closed
+    form; T = 3: E[G^2] = J(0) / 2 from the exact quadrature at omega = 0 (all 27 patterns)."""
+    if int(tokens) == 3:
+        return 1.0 / make_channel("hardmax", 3).J(0.0)
     return 1.0 / (2.0 * small_width_information_closed_form())
 
 
-def small_width_se(alpha_bar, *, init="uninformed", tol=1e-12, max_iter=5000, channel=None):
+def small_width_se(alpha_bar, *, init="uninformed", tol=1e-12, max_iter=5000, channel=None, tokens=2):
     """Rescaled SE for rho -> 0 (alpha = alpha_bar rho, q_hat = rho / t):
     q = [max(1 - t, 0)]^2, t = 1 / (2 alpha_bar E[G^2](q)), E[G^2] at V = 1 - q; mmse = t (2 - t)
     (1 when t >= 1). Uninformed start q = 1e-8 (q = 0 is always a fixed point)."""
     alpha_bar = float(alpha_bar)
     if not np.isfinite(alpha_bar) or alpha_bar <= 0:
         raise AimsymError("alpha_bar", f"must be a finite number > 0, got {alpha_bar}")
-    ch = channel or HardmaxChannel()
+    ch = channel or make_channel("hardmax", tokens)
     q = 1e-8 if init == "uninformed" else 1.0 - 1e-9
     t = np.inf
     for it in range(1, max_iter + 1):
@@ -291,11 +296,13 @@ def small_width_se(alpha_bar, *, init="uninformed", tol=1e-12, max_iter=5000, ch
     return {"alpha_bar": alpha_bar, "q": q, "t": t, "mmse": t_eff * (2.0 - t_eff), "iterations": it}
 
 
-def small_width_alpha_bar_c_numeric(tol=1e-10):
+def small_width_alpha_bar_c_numeric(tol=1e-10, tokens=2):
     """alpha_bar_c located by bisection on where the small-width SE leaves q = 0
     (linear stability: t(q = 0) = 1), with E[G^2] from the quadrature at q -> 0."""
-    ch = HardmaxChannel()
-    EG2 = 0.5 * ch.information(1e-16, 1.0)
+    if int(tokens) == 2:
+        EG2 = 0.5 * HardmaxChannel().information(1e-16, 1.0)
+    else:  # T = 3: the SE rule (quasi-Monte-Carlo over omega) at s = q / V = 1e-6
+        EG2 = 0.5 * make_channel("hardmax", tokens, 1.0).J(1e-6)
     f = lambda ab: 1.0 / (2.0 * ab * EG2) - 1.0  # noqa: E731
     return brentq(f, 1e-3, 1e3, xtol=tol)
 
@@ -316,12 +323,12 @@ def thresholds(tokens, rho, activation="softmax", beta=1.0) -> dict:
         out["perfect_recovery_numeric"] = perfect_recovery_numeric(rho, tokens, activation)
         out["weak_recovery"] = None
     else:
-        ab = small_width_alpha_bar_c()
+        ab = small_width_alpha_bar_c(tokens)
         out["perfect_recovery"] = None
         out["weak_recovery"] = {
             "alpha": float(rho) * ab,
             "alpha_bar": ab,
-            "alpha_bar_numeric": small_width_alpha_bar_c_numeric(),
+            "alpha_bar_numeric": small_width_alpha_bar_c_numeric(tokens=tokens),
             "regime": "small width rho -> 0 (alpha = rho * alpha_bar); a crossover at finite rho",
         }
     out["provenance"] = provenance(accuracy={"richardson_Delta": 1e-6})
