@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from aimsym.aim import amp, gd, se
-from aimsym.aim.channels import to_vector
+from aimsym.aim.channels import pairs, to_vector
 from aimsym.errors import AimsymError
 
 
@@ -67,18 +67,107 @@ def test_amp_softmax_small_d_improves_on_prior():
     assert out["mmse"] < 0.35 and out["mmse"] > 0.5 * se.solve(0.15, 0.5).mmse
 
 
+def _explicit_sensing(X):
+    """The sensing matrices X_ab = (x_a x_b^T + x_b x_a^T)/(2 sqrt d) - delta_ab I/sqrt d, (n, L, d, d)."""
+    n, d, T = X.shape
+    out = []
+    for a, b in pairs(T):
+        M = np.einsum("ni,nj->nij", X[:, :, a], X[:, :, b])
+        out.append((M + M.transpose(0, 2, 1)) / (2 * np.sqrt(d)) - (a == b) * np.eye(d) / np.sqrt(d))
+    return np.stack(out, axis=1)
+
+
+@pytest.mark.parametrize("T", [2, 3])
+def test_sensing_gram_and_onsager_reaction_exact(T):
+    """Per-sample Gram <X_k, X_l> and reaction <X_k, J[X_l]> (J = Jacobian of the RIE map at R)
+    against explicit matrices and central finite differences of the RIE map."""
+    rng = np.random.default_rng(7)
+    d, n = 12, 4
+    X = rng.standard_normal((n, d, T))
+    Xs = _explicit_sensing(X)
+    assert np.allclose(amp.sensing_gram(X, T), np.einsum("nkij,nlij->nkl", Xs, Xs), atol=1e-12)
+    S, _ = amp.teacher(d, 0.5, rng)
+    Z = rng.standard_normal((d, d))
+    R = S + 0.7 * (Z + Z.T) / np.sqrt(2 * d)
+    _, U, fp, DD = amp.rie_spectral(R, 0.5, 0.49)
+    O = amp.jacobian_forms(X, U, fp, DD, T)
+    h = 1e-6
+    for mu in range(n):
+        for l in range(Xs.shape[1]):
+            dF = (amp.rie_denoise(R + h * Xs[mu, l], 0.5, 0.49) - amp.rie_denoise(R - h * Xs[mu, l], 0.5, 0.49)) / (2 * h)
+            assert np.allclose(O[mu, :, l], np.einsum("kij,ij->k", Xs[mu], dF), atol=1e-6 * np.abs(O).max())
+
+
+def test_joint_output_steps():
+    """Joint (full-covariance) output steps: hardmax equals the closed-form channel for the
+    isotropic covariance and its g, dg equal finite differences of log Z for a general one;
+    the softmax step puts the posterior mean on the line h0 + c 1."""
+    from aimsym.aim.channels import log_bvn_cdf, make_channel
+
+    rng = np.random.default_rng(3)
+    n, V = 30, 0.3
+    om = rng.standard_normal((n, 3))
+    y = np.sign(rng.standard_normal((n, 2)))
+    g1, dg1 = make_channel("hardmax", 2).denoise(y, om, V)
+    g2, dg2 = amp.hardmax_joint_denoise(y, om, np.broadcast_to(np.diag([2 * V, V, 2 * V]), (n, 3, 3)))
+    assert np.allclose(g1, g2, atol=1e-12) and np.allclose(dg1, np.einsum("nkk->nk", dg2), atol=1e-12)
+    A = rng.standard_normal((n, 3, 3))
+    Sig = np.einsum("nij,nkj->nik", A, A) + 0.3 * np.eye(3)
+    B = np.array([[1.0, -1, 0], [0, -1, 1]])
+
+    def logZ(o):
+        m = o @ B.T
+        C = np.einsum("ik,nkl,jl->nij", B, Sig, B)
+        a, b = np.sqrt(C[:, 0, 0]), np.sqrt(C[:, 1, 1])
+        k1, k2, r = y[:, 0] * m[:, 0] / a, y[:, 1] * m[:, 1] / b, y[:, 0] * y[:, 1] * C[:, 0, 1] / (a * b)
+        return np.array([log_bvn_cdf(k1[i:i + 1], k2[i:i + 1], r[i])[0] for i in range(n)])
+
+    g, dg = amp.hardmax_joint_denoise(y, om, Sig)
+    e = 1e-5
+    E = np.eye(3)
+    fd = np.stack([(logZ(om + e * E[k]) - logZ(om - e * E[k])) / (2 * e) for k in range(3)], 1)
+    fd2 = np.stack([(amp.hardmax_joint_denoise(y, om + e * E[k], Sig)[0]
+                     - amp.hardmax_joint_denoise(y, om - e * E[k], Sig)[0]) / (2 * e) for k in range(3)], 2)
+    assert np.allclose(g, fd, atol=1e-7) and np.allclose(dg, fd2, atol=1e-6)
+    h0 = rng.standard_normal((n, 3))
+    gs, _ = amp.joint_linear_denoise(h0, np.ones(3), om, Sig)
+    mean = om + np.einsum("nkl,nl->nk", Sig, gs)
+    shift = mean - h0
+    assert np.allclose(shift, shift[:, :1], atol=1e-12)
+
+
+@pytest.mark.parametrize("onsager", ["isotropic", "exact"])
+def test_amp_softmax_onsager_small_d(onsager):
+    """d = 50, alpha = 0.15, 4 seeds: mean error within 30 % of the SE (measured: 0.147 isotropic,
+    0.146 exact vs SE 0.128; finite-d excess ~6.5/d, docs/aim.md section 4). Fails if the Onsager
+    term is wrong: halving it gives 0.208, dropping it diverges."""
+    errs = [amp.run(amp.generate(50, 0.15, 0.5, 2, "softmax", seed=s), 2, "softmax", onsager=onsager,
+                    damping=0.3 if onsager == "exact" else None)["mmse"] for s in range(4)]
+    m_se = se.solve(0.15, 0.5).mmse
+    assert abs(np.mean(errs) - m_se) < 0.3 * m_se
+
+
+# Finite-d allowance of the slow tests, relative to the SE mmse: C / d with C = 7. Measured gap of
+# GAMP-RIE (isotropic, damping 0.5, 12 seeds) with the model's rank-one sensing, (mean/SE - 1) d:
+# alpha = 0.1: 6.1 (d = 60), 6.4 (100), 6.5 (150); alpha = 0.15: 10 (60), 5.1 (100), 7.1 (150);
+# the same code with GOE sensing matrices at d = 100, alpha = 0.1 is at the SE (0.3935 +- 0.0055
+# vs 0.3922). See docs/aim.md section 4.
+FINITE_D_C = 7.0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("alpha", [0.1, 0.15])
-def test_amp_softmax_tracks_se_d120(alpha):
-    """Softmax T = 2, rho = 0.5, d = 120, 4 seeds: AMP mean within 3 standard errors plus a 6 %
-    finite-size allowance of the SE mmse (measured bias at d = 100-150: +3 to +8 %, see docs)."""
-    res = amp.run_many(alpha, 0.5, 120, 2, "softmax", seeds=[0, 1, 2, 3], iterations=100)
-    assert abs(res["mmse"] - res["mmse_se"]) < 3 * res["mmse_sem"] + 0.06 * res["mmse_se"]
+def test_amp_softmax_tracks_se_d150(alpha):
+    """Softmax T = 2, rho = 0.5, d = 150, 8 seeds: |mean - SE| <= 3 s.e. + (7/d) SE."""
+    d = 150
+    res = amp.run_many(alpha, 0.5, d, 2, "softmax", seeds=list(range(8)), iterations=100)
+    assert res["unstable_runs"] == 0
+    assert abs(res["mmse"] - res["mmse_se"]) <= 3 * res["mmse_sem"] + FINITE_D_C / d * res["mmse_se"]
 
 
 @pytest.mark.slow
 def test_amp_hardmax_tracks_se_d100():
-    res = amp.run_many(1.0, 0.5, 100, 2, "hardmax", seeds=[0, 1, 2, 3], iterations=60)
+    res = amp.run_many(1.0, 0.5, 100, 2, "hardmax", seeds=list(range(8)), iterations=60)
     assert abs(res["mmse"] - res["mmse_se"]) < 3 * res["mmse_sem"] + 0.03 * res["mmse_se"]
 
 

@@ -14,7 +14,15 @@ variances, theory.md section 6 specialised to a rotation-invariant prior):
     Delta   = d / (2 A)                                         (its semicircle variance)
     S_hat   = RIE(R; rho, Delta) (eigenvalues mapped by f),  V = m(Delta)
 
+The "exact" form (``run(..., onsager="exact")``) replaces the isotropic w_k V by per-sample
+matrices: Sigma_mu = tau_r [<X_k, J[X_l]>]_{kl} (J the Jacobian of the RIE map, computed in its
+eigenbasis), a joint output step per sample, and A = -(1/N) sum_mu Tr(G_mu dg_mu) with the exact
+Gram G_mu = [<X_k, X_l>] and N = d(d+1)/2.
+
 Tracked per iteration: the true error ||S_hat - S||_F^2 / d and the predicted V = m(Delta).
+At d = 100-150 both forms sit ~6.5/d (relative) above the SE mmse with the model's rank-one
+sensing matrices, not with GOE sensing matrices: a finite-size effect of the x x^T sensing, not
+of the Onsager or variance terms (measurements in docs/aim.md section 4).
 """
 
 from __future__ import annotations
@@ -97,39 +105,185 @@ def adjoint(X, G_vec, tokens):
     return (M + M.T) / (2.0 * np.sqrt(d))
 
 
+def rie_spectral(R, rho, Delta):
+    """Eigen-decomposition of R and the RIE map with its Jacobian data: returns
+    (S_hat, U, fprime, DD) with DD_ij = (f_i - f_j)/(lam_i - lam_j) (i != j), DD_ii = f'(lam_i).
+    The Jacobian J of the matrix map R -> U f(Lam) U^T acts in the eigenbasis as
+    (U^T J[E] U)_ij = DD_ij (U^T E U)_ij; its divergence (orthonormal coordinates of symmetric
+    matrices) is sum_i f'_i + sum_{i<j} DD_ij."""
+    lam, U = np.linalg.eigh(R)
+    fmap = lambda x: rie_map(x, rho, Delta)  # noqa: E731
+    f = fmap(lam)
+    eps = 1e-6 * (1.0 + np.abs(lam))
+    fprime = (fmap(lam + eps) - fmap(lam - eps)) / (2 * eps)
+    dl = lam[:, None] - lam[None, :]
+    close = np.abs(dl) < 1e-10
+    DD = np.where(close, 0.5 * (fprime[:, None] + fprime[None, :]), (f[:, None] - f[None, :]) / np.where(close, 1.0, dl))
+    np.fill_diagonal(DD, fprime)
+    return (U * f) @ U.T, U, fprime, DD
+
+
 def rie_denoise(R, rho, Delta, with_variance=False):
     """RIE of R = S + sqrt(Delta) GOE. With ``with_variance`` also returns the variance implied by
     the exact divergence of the matrix map (eigenvalue and eigenvector terms):
     div = sum_i f'(lam_i) + sum_{i<j} (f_i - f_j)/(lam_i - lam_j),  V = 2 Delta div / d^2."""
-    lam, O = np.linalg.eigh(R)
-    d = len(lam)
-    fmap = lambda x: rie_map(x, rho, Delta)  # noqa: E731
-    f = fmap(lam)
-    S_hat = (O * f) @ O.T
+    S_hat, U, fprime, DD = rie_spectral(R, rho, Delta)
     if not with_variance:
         return S_hat
-    eps = 1e-6 * (1.0 + np.abs(lam))
-    fprime = (fmap(lam + eps) - fmap(lam - eps)) / (2 * eps)
-    dl = lam[:, None] - lam[None, :]
-    df = f[:, None] - f[None, :]
-    iu = np.triu_indices(d, 1)
-    close = np.abs(dl[iu]) < 1e-10
-    ratio = np.where(close, 0.5 * (fprime[iu[0]] + fprime[iu[1]]), df[iu] / np.where(close, 1.0, dl[iu]))
-    div = fprime.sum() + ratio.sum()
+    d = len(fprime)
+    div = fprime.sum() + DD[np.triu_indices(d, 1)].sum()
     return S_hat, 2.0 * Delta * div / d**2
 
 
-def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=80, damping=0.5,
-        tol=1e-7, rho=None, variance="divergence", max_damping=0.95, noise_ratio_max=2.5):
+def _token_products(P, tokens):
+    """q_ab = p_a * p_b (elementwise) for the unique pairs: (n, L, d) from P (n, T, d)."""
+    return np.stack([P[:, a] * P[:, b] for a, b in pairs(tokens)], axis=1)
+
+
+def _pair_forms(Q, M, diag_vec, diag_sum, d, tokens):
+    """<X_k, M X_l>-type contractions per sample for the sensing matrices
+    X_ab = (x_a x_b^T + x_b x_a^T)/(2 sqrt d) - delta_ab I / sqrt d, written in a basis where
+    x_a -> p_a: for a weight matrix M acting entrywise (sum_ij M_ij (Y_k)_ij (Y_l)_ij),
+
+        F_{ab,ce} = [ (q_ac.M q_be + q_ae.M q_bc)/2 - delta_ce diag.q_ab - delta_ab diag.q_ce
+                      + delta_ab delta_ce sum(diag) ] / d,
+
+    with q_ab = p_a * p_b, diag = diag(M). M = all-ones gives the Gram <X_k, X_l>;
+    M = DD gives <X_k, J[X_l]> for the spectral map."""
+    pr = pairs(tokens)
+    idx = {pq: k for k, pq in enumerate(pr)}
+    key = lambda a, b: idx[(a, b) if a <= b else (b, a)]  # noqa: E731
+    MQ = Q @ M  # (n, L, d)
+    dq = Q @ diag_vec  # (n, L)
+    n, L = Q.shape[0], len(pr)
+    F = np.empty((n, L, L))
+    for k, (a, b) in enumerate(pr):
+        for l, (c, e) in enumerate(pr):
+            if l < k:
+                F[:, k, l] = F[:, l, k]
+                continue
+            v = 0.5 * (np.einsum("nd,nd->n", Q[:, key(a, c)], MQ[:, key(b, e)])
+                       + np.einsum("nd,nd->n", Q[:, key(a, e)], MQ[:, key(b, c)]))
+            if c == e:
+                v = v - dq[:, k]
+            if a == b:
+                v = v - dq[:, l]
+            if a == b and c == e:
+                v = v + diag_sum
+            F[:, k, l] = v
+    return F / d
+
+
+def sensing_gram(X, tokens):
+    """G_mu = [<X_k, X_l>]_{kl} per sample (n, L, L), exact (from the token inner products)."""
+    n, d, T = X.shape
+    K = np.einsum("nia,nib->nab", X, X, optimize=True)
+    pr = pairs(T)
+    G = np.empty((n, len(pr), len(pr)))
+    for k, (a, b) in enumerate(pr):
+        for l, (c, e) in enumerate(pr):
+            v = 0.5 * (K[:, a, c] * K[:, b, e] + K[:, a, e] * K[:, b, c])
+            if c == e:
+                v = v - K[:, a, b]
+            if a == b:
+                v = v - K[:, c, e]
+            if a == b and c == e:
+                v = v + d
+            G[:, k, l] = v / d
+    return G
+
+
+def jacobian_forms(X, U, fprime, DD, tokens):
+    """Per-sample reaction matrices O_mu = [<X_k, J[X_l]>]_{kl} (n, L, L) of the RIE map at the
+    current R (J its Jacobian): with p_a = U^T x_a, an O(n d^2 T) computation."""
+    P = np.einsum("nia,ij->naj", X, U, optimize=True)  # (n, T, d)
+    Q = _token_products(P, tokens)
+    return _pair_forms(Q, DD, fprime, float(fprime.sum()), X.shape[1], tokens)
+
+
+def joint_linear_denoise(h0, null, omega, Sigma):
+    """Output step of a channel that reveals h (unique entries) exactly up to the span of
+    ``null`` (softmax: the global shift, null = ones; linear: nothing, null = None), with the
+    Gaussian prior h ~ N(omega, Sigma_mu) per sample (full L x L covariance).
+    Returns g = Sigma^-1 (E[h|y] - omega) and dg = d g / d omega (n, L, L)."""
+    Pm = np.linalg.inv(Sigma)
+    if null is None:
+        g = np.einsum("nkl,nl->nk", Pm, h0 - omega)
+        return g, -Pm
+    u = np.asarray(null, dtype=float)
+    Pu = Pm @ u  # (n, L)
+    prec = Pu @ u  # (n,)
+    c = np.einsum("nl,nl->n", Pu, omega - h0) / prec
+    g = np.einsum("nkl,nl->nk", Pm, h0 + c[:, None] * u - omega)
+    dg = np.einsum("nk,nl->nkl", Pu, Pu) / prec[:, None, None] - Pm
+    return g, dg
+
+
+def hardmax_joint_denoise(y, omega, Sigma):
+    """Hardmax T = 2 with a full per-sample covariance of h = (h11, h12, h22): the signs of
+    u = B h, B = [[1, -1, 0], [0, -1, 1]], with u ~ N(B omega, C), C = B Sigma B^T:
+    Z = Phi_2(s1 m1 / sigma1, s2 m2 / sigma2; s1 s2 C12 / (sigma1 sigma2)); g = B^T grad_m log Z,
+    dg = B^T Hess_m log Z B (the isotropic case Sigma = diag(2V, V, 2V) is the closed form of
+    channels.HardmaxChannel)."""
+    from .channels import bvn_log_derivatives
+
+    B = np.array([[1.0, -1.0, 0.0], [0.0, -1.0, 1.0]])
+    m = omega @ B.T
+    C = np.einsum("ik,nkl,jl->nij", B, Sigma, B)
+    s1, s2 = y[:, 0], y[:, 1]
+    sig1, sig2 = np.sqrt(C[:, 0, 0]), np.sqrt(C[:, 1, 1])
+    r = s1 * s2 * C[:, 0, 1] / (sig1 * sig2)
+    a, b = s1 * m[:, 0] / sig1, s2 * m[:, 1] / sig2
+    # channels.bvn_log_derivatives takes one correlation per call: loop over the samples
+    out = np.array([bvn_log_derivatives(a[i:i + 1], b[i:i + 1], r[i]) for i in range(len(a))])[..., 0]
+    _, Ra, Rb, Haa, Hab, Hbb = out.T
+    c1, c2 = s1 / sig1, s2 / sig2
+    gm = np.stack([c1 * Ra, c2 * Rb], axis=1)
+    Hm = np.empty((len(m), 2, 2))
+    Hm[:, 0, 0] = c1 * c1 * Haa
+    Hm[:, 1, 1] = c2 * c2 * Hbb
+    Hm[:, 0, 1] = Hm[:, 1, 0] = c1 * c2 * Hab
+    return gm @ B, np.einsum("ki,nkl,lj->nij", B, Hm, B)
+
+
+def _joint_output(ch, y, h0, null, omega, Sigma):
+    if ch.activation == "hardmax":
+        return hardmax_joint_denoise(y, omega, Sigma)
+    return joint_linear_denoise(h0, null, omega, Sigma)
+
+
+def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=80, damping=None,
+        tol=1e-7, rho=None, onsager=None, variance="divergence", max_damping=0.95,
+        noise_ratio_max=2.5):
     """GAMP-RIE on ``data``. Returns a dict with the per-iteration history and final errors.
 
-    Damping mixes S_hat and V with their previous values. Safeguard (finite d): the noise power
+    ``onsager`` (None = "isotropic"): both forms reach the same fixed point (docs/aim.md section 4);
+    the isotropic one is 2-3x cheaper per iteration. For hardmax the exact form's output step loops
+    over samples (channels.bvn_log_derivatives takes one correlation per call).
+    ``onsager="exact"``: per-sample reaction and variance matrices
+    Sigma_mu = tau_r [<X_k, J[X_l]>]_{kl} from the Jacobian J of the RIE map at the last R, and a
+    joint output step per sample (the T(T+1)/2 entries of one sample share the tokens x_a);
+    the first step uses the prior, Sigma_mu = tau_x G_mu with the exact Gram G_mu = [<X_k, X_l>].
+    Default damping 0; at d >= 100 it converges undamped where the isotropic form diverges, at
+    smaller d (e.g. 60) it can limit-cycle and damping 0.3 helps.
+    ``onsager="isotropic"``: the textbook form Sigma = diag(w V) for every sample; needs damping
+    (default 0.5) and the safeguard below with the model's rank-one sensing matrices.
+
+    Both: A = 1/tau_r = -(1/N) sum_mu Tr(G_mu dg_mu) (N = d(d+1)/2 coordinates),
+    R = S_hat + tau_r sum_mu g_mu . X_mu, Delta = d tau_r / 2, S_hat = RIE(R; rho, Delta).
+    Damping mixes S_hat and the variances with their previous values. Safeguard: the noise power
     of R, measured as Tr(R^2)/d - E Tr(S^2)/d with E Tr(S^2)/d = 1 + rho + 1/d, should match
-    Delta = d/(2A) up to O(1/d); rank-one sensing (x x^T) lets low-rank error modes grow at
-    finite d, so when the measured power exceeds ``noise_ratio_max`` Delta the step is rejected,
-    the last accepted state restored and the damping raised (1 - damping halves).
-    ``variance``: "divergence" (exact divergence of the RIE map) or "theory" (V = m(Delta)).
+    Delta up to O(1/d); when it exceeds ``noise_ratio_max`` Delta after iteration 3 the step is
+    rejected, the last accepted state restored and the damping raised (1 - damping halves).
+    ``variance``: "divergence" (exact divergence of the RIE map) or "theory" (V = m(Delta));
+    isotropic mode only (the exact mode uses the Jacobian itself).
     """
+    if onsager not in ("exact", "isotropic", None):
+        raise AimsymError("onsager", f"must be 'exact' or 'isotropic', got {onsager!r}")
+    if onsager is None:
+        onsager = "isotropic"
+    if damping is None:
+        damping = 0.0 if onsager == "exact" else 0.5
     if not 0.0 <= damping < 1.0:
         raise AimsymError("damping", f"must lie in [0, 1), got {damping}")
     ch = make_channel(activation, tokens, beta)
@@ -137,22 +291,38 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
     rho = data.rho if rho is None else float(rho)
     X, y, S = data.X, data.y, data.S
     d = S.shape[0]
+    N = d * (d + 1) / 2.0
     w = entry_weights(T)
     Q0 = prior_second_moment(rho)
+    exact = onsager == "exact"
     S_hat = np.sqrt(rho) * np.eye(d)
     V = Q0 - rho  # = m(inf) = 1
-    g_prev = np.zeros((X.shape[0], len(w)))
+    n = X.shape[0]
+    if exact:
+        G = sensing_gram(X, T)
+        h0 = null = None
+        if ch.activation != "hardmax":
+            h0, null = ch.recover(y)
+        Sigma = (d * V / N) * G  # prior: per-coordinate variance d V / N
+        g_prev = np.zeros((n, len(w)))
+    else:
+        g_prev = np.zeros((n, len(w)))
     last_iteration = None
     unstable = False
-    last = None  # (S_before, V_before, g_before, S_proposed, V_proposed, g) of the last accepted step
+    last = None  # (S_before, var_before, g_before, S_proposed, var_proposed, g) of the last accepted step
     history, rejected = [], 0
     t0 = time.perf_counter()
     it = 0
     while it < iterations:
         it += 1
-        omega = to_vector(index_matrices(S_hat, X), T) - w * V * g_prev
-        g, dg = ch.denoise(y, omega, V)
-        A = -np.sum(dg * w) / d if np.all(np.isfinite(dg)) else np.nan
+        if exact:
+            omega = to_vector(index_matrices(S_hat, X), T) - np.einsum("nkl,nl->nk", Sigma, g_prev)
+            g, dg = _joint_output(ch, y, h0, null, omega, Sigma)
+            A = -np.einsum("nkl,nkl->", G, dg) / N if np.all(np.isfinite(dg)) else np.nan
+        else:
+            omega = to_vector(index_matrices(S_hat, X), T) - w * V * g_prev
+            g, dg = ch.denoise(y, omega, V)
+            A = -np.sum(dg * w) / d if np.all(np.isfinite(dg)) else np.nan
         ok = np.isfinite(A) and A > 0 and np.all(np.isfinite(g))
         if ok:
             R = S_hat + adjoint(X, g, T) / A
@@ -166,23 +336,37 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
                 raise AimsymError("damping", f"AMP unstable at its first iteration (alpha={data.alpha})")
             if damping >= max_damping:
                 # give up: return the last accepted estimate, flagged as not converged
-                S_hat, V, g_prev = last[0], last[1], last[2]
+                S_hat, g_prev = last[0], last[2]
+                V, Sigma = last[1] if exact else (last[1], None)
                 unstable = True
                 break
             damping = 1.0 - 0.5 * (1.0 - damping)
-            S_b, V_b, g_b, S_p, V_p, g_p = last
+            S_b, var_b, g_b, S_p, var_p, g_p = last
             S_hat = (1.0 - damping) * S_p + damping * S_b
-            V = (1.0 - damping) * V_p + damping * V_b
+            if exact:
+                V = (1.0 - damping) * var_p[0] + damping * var_b[0]
+                Sigma = (1.0 - damping) * var_p[1] + damping * var_b[1]
+            else:
+                V = (1.0 - damping) * var_p + damping * var_b
             g_prev = g_p
             rejected += 1
             if history and history[-1]["iteration"] == last_iteration:
                 history.pop()  # that step is being redone
             continue
-        if variance == "divergence":
-            S_new, V_new = rie_denoise(R, rho, Delta, with_variance=True)
+        tau_r = 1.0 / A
+        if exact:
+            S_new, U, fprime, DD = rie_spectral(R, rho, Delta)
+            div = fprime.sum() + DD[np.triu_indices(d, 1)].sum()
+            V_new = tau_r * div / d  # predicted ||S_hat - S||^2 / d
+            Sigma_new = tau_r * jacobian_forms(X, U, fprime, DD, T)
+            last = (S_hat, (V, Sigma), g_prev, S_new, (V_new, Sigma_new), g)
+            Sigma = (1.0 - damping) * Sigma_new + damping * Sigma
         else:
-            S_new, V_new = rie_denoise(R, rho, Delta), rie_mmse(Delta, rho)
-        last = (S_hat, V, g_prev, S_new, V_new, g)
+            if variance == "divergence":
+                S_new, V_new = rie_denoise(R, rho, Delta, with_variance=True)
+            else:
+                S_new, V_new = rie_denoise(R, rho, Delta), rie_mmse(Delta, rho)
+            last = (S_hat, V, g_prev, S_new, V_new, g)
         last_iteration = it
         V_old = V
         S_hat = (1.0 - damping) * S_new + damping * S_hat
@@ -201,6 +385,7 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
         "rejected_steps": rejected,
         "unstable": unstable,
         "final_damping": damping,
+        "onsager": onsager,
         "seconds_per_iteration": elapsed / max(1, len(history) + rejected),
         "history": history,
         "S_hat": S_hat,
@@ -208,17 +393,20 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
 
 
 def run_many(alpha, rho, d, tokens=2, activation="softmax", beta=1.0, seeds=(0,), iterations=80,
-             damping=0.5):
-    """AMP over several seeds; mean and standard error of the final mmse, with the SE value."""
+             damping=None, onsager=None):
+    """AMP over several seeds; mean and standard error of the final mmse, with the SE value.
+    ``damping=None``: 0 for the exact Onsager form, 0.5 for the isotropic one (see ``run``)."""
     from . import se
 
-    errs, secs, rho_eff = [], [], rho
+    errs, secs, its, flags, rho_eff = [], [], [], [], rho
     for seed in seeds:
         data = generate(d, alpha, rho, tokens, activation, beta, seed=seed)
         rho_eff = data.rho
-        out = run(data, tokens, activation, beta, iterations=iterations, damping=damping)
+        out = run(data, tokens, activation, beta, iterations=iterations, damping=damping, onsager=onsager)
         errs.append(out["mmse"])
         secs.append(out["seconds_per_iteration"])
+        its.append(out["iterations"])
+        flags.append(bool(out["unstable"]))
     errs = np.array(errs)
     sem = float(errs.std(ddof=1) / np.sqrt(len(errs))) if len(errs) > 1 else None
     se_res = se.solve(alpha, rho_eff, tokens, activation, beta)
@@ -227,7 +415,9 @@ def run_many(alpha, rho, d, tokens=2, activation="softmax", beta=1.0, seeds=(0,)
         "activation": activation, "beta": float(beta),
         "mmse": float(errs.mean()), "mmse_sem": sem, "mmse_runs": errs.tolist(),
         "mmse_se": se_res.mmse, "seconds_per_iteration": float(np.mean(secs)),
-        "provenance": provenance(seed=list(seeds), accuracy={"iterations": iterations, "damping": damping}),
+        "iterations_runs": its, "unstable_runs": int(sum(flags)),
+        "provenance": provenance(seed=list(seeds), accuracy={"iterations": iterations, "damping": damping,
+                                                             "onsager": onsager}),
     }
 
 
