@@ -3,7 +3,8 @@
 - 100-point softmax SE curve (parametric, root-finding in Delta), cold caches;
 - 100-point hardmax SE curve (T = 2, root-finding with continuation), cold caches;
 - one m(Delta) evaluation (the spectral quadrature, CPU time incl. the edges), median of many;
-- one AMP run at d = 150 (softmax, T = 2, rho = 0.5, alpha = 0.1): seconds per iteration.
+- one AMP run at d = 150 (softmax, T = 2, rho = 0.5, alpha = 0.1): seconds per iteration, isotropic
+  and exact Onsager forms.
 """
 
 from __future__ import annotations
@@ -58,13 +59,14 @@ def bench_rie_mmse(n=200):
     return float(np.median(times)), float(np.max(times))
 
 
-def bench_amp(d=150, alpha=0.1, iterations=30):
+def bench_amp(d=150, alpha=0.1, iterations=30, onsager="isotropic"):
     from . import amp
 
     data = amp.generate(d, alpha, 0.5, 2, "softmax", seed=0)
     box = {}
-    wall, cpu = _timed(lambda: box.update(out=amp.run(data, 2, "softmax", iterations=iterations, tol=0.0)))
-    n = box["out"]["iterations"]
+    wall, cpu = _timed(lambda: box.update(out=amp.run(data, 2, "softmax", iterations=iterations, tol=0.0,
+                                                      onsager=onsager)))
+    n = box["out"]["iterations"] + box["out"]["rejected_steps"]
     return wall / n, cpu / n, n
 
 
@@ -79,6 +81,8 @@ def main(argv=None):
     if not args.skip_amp:
         (res["amp_d150_wall_s_per_iteration"], res["amp_d150_cpu_s_per_iteration"],
          res["amp_iterations"]) = bench_amp()
+        (res["amp_exact_d150_wall_s_per_iteration"], res["amp_exact_d150_cpu_s_per_iteration"],
+         res["amp_exact_iterations"]) = bench_amp(onsager="exact")
     import os
 
     res["load_average_1min"] = os.getloadavg()[0]
