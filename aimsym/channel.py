@@ -10,16 +10,30 @@ Normalisation of ``log_z_out``. With normalised Gaussians N(z_t; omega_t, V):
 * generic path (no reduction): log of the integral of prod_t N(z_t; omega_t, V) N(y; g(Z), Delta I)
   over all of Z, Delta > 0 the output noise variance (the true log density of y).
 
-Accuracy. The integral over the free entries u is a tensor Gauss-Hermite rule with ``nodes``
-points per dimension, started on the prior marginal of u and re-centred ``adapt`` times on
-each branch's posterior mean and covariance (the adaptation passes use a rule with half as
-many points per dimension). Defaults: ``DEFAULT_NODES`` and ``DEFAULT_ADAPT`` by dimension. ``error=True`` repeats the final pass with a
-smaller rule (``nodes - nodes // 4`` per dimension) and reports the largest difference of
-g_out and dg_out as ``error``.
+Accuracy. Two rules for the integral over the free entries u:
+
+* tensor Gauss-Hermite with ``nodes`` points per dimension, started on the prior marginal of u
+  and re-centred ``adapt`` times on each branch's posterior mean and covariance (the adaptation
+  passes use a rule with half as many points per dimension). Defaults: ``DEFAULT_NODES`` and
+  ``DEFAULT_ADAPT`` by dimension.
+* for two-layer T = 2 models (tied rank-one first layer) the *polar sector rule*
+  ``polar = (angle nodes per sector, radial nodes)`` on the disk |u| <= |omega_u| + kr sqrt(V_uu),
+  split along the lines where the first layer's attention switches. Gauss-Hermite is used instead
+  only where the prior of u is narrow (``gh_plausible``) *and* the Gauss-Hermite result agrees with
+  a rule of 3/4 the size to ``check_tol``.
+
+``error=True`` repeats the computation with rules of 3/4 the size (per dimension) and reports the
+largest difference of g_out and dg_out as ``error``. ``tol`` (optional) makes that a loop: samples
+whose difference exceeds tol (relative to the size of g_out and dg_out) are recomputed with rules
+1.5 times larger, up to ``max_refine`` times; the returned ``error`` is then the last difference.
+The default denoiser (``model.denoiser()`` with no rule sizes) runs with ``tol = DEFAULT_TOL``
+(1e-8) on the exact path; explicit rule sizes (the solvers' fast settings) run the fixed rule
+unless a ``tol`` is given too. ``den(..., tol=None)`` skips the control for one call.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,8 +47,16 @@ DEFAULT_NODES = {1: 80, 2: 48, 3: 20, 4: 12, 5: 7, 6: 5}
 # Gaussian of the (often multimodal) reduced posterior is a worse rule than the prior marginal
 DEFAULT_ADAPT = {1: 1, 2: 1}
 # polar rule (angle nodes per sector, radial nodes) for two-layer T = 2 models (see the driver);
-# about 2e-9 relative at moderate V (docs/denoiser.md)
+# about 1e-9 relative at moderate V (docs/denoiser.md)
 DEFAULT_POLAR = (18, 48)
+# radius of the polar disk in prior standard deviations of u (the mass outside is < e^{-36})
+POLAR_RADIUS = 8.5
+# Gauss-Hermite size tried first on polar models where the prior of u is narrow, and the
+# tolerance of its check against 3/4 the size
+POLAR_MODEL_GH_NODES = 20
+GH_CHECK_TOL = 1e-10
+# error target of the default denoiser (model.denoiser() without rule sizes), see ``tol``
+DEFAULT_TOL = 1e-8
 MAX_TENSOR_NODES = 200_000
 
 _STATUS = {
@@ -55,6 +77,24 @@ class DenoiserOutput:
     error: np.ndarray | None = None  # (...) estimated absolute error of g_out/dg_out
     path: str = ""
     polar: np.ndarray | None = None  # (...) True where the polar rule was used (else Gauss-Hermite)
+
+
+def _check_tol(tol):
+    if tol is None:
+        return None
+    if isinstance(tol, bool) or not (isinstance(tol, float | int) and 0 < tol < 1):
+        raise ChannelError("tol", f"must be a number in (0, 1) or None, got {tol!r}")
+    return float(tol)
+
+
+def _difference(g, dg, g2, dg2, lz, lz2) -> np.ndarray:
+    """Per sample: largest difference of g_out and dg_out, relative to their size (at least 1),
+    and of log Z_out (absolute)."""
+    n = len(g)
+    gs = np.maximum(1.0, np.abs(g).reshape(n, -1).max(axis=1))
+    ds = np.maximum(1.0, np.abs(dg).reshape(n, -1).max(axis=1))
+    return np.maximum.reduce([np.abs(g - g2).reshape(n, -1).max(axis=1) / gs,
+                              np.abs(dg - dg2).reshape(n, -1).max(axis=1) / ds, np.abs(lz - lz2)])
 
 
 def gauss_hermite_rule(D: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -88,9 +128,11 @@ class Denoiser:
     """
 
     def __init__(self, model, *, nodes: int | None = None, adapt: int | None = None, inflate: float = 1.0,
-                 polar: tuple[int, int] | None | str = "auto"):
+                 polar: tuple[int, int] | None | str = "auto", check_tol: float = GH_CHECK_TOL,
+                 tol: float | None | str = "auto"):
         # an explicit Gauss-Hermite size is a request for that rule (e.g. the solvers' fast
         # low-accuracy settings); the polar rule is the default only when neither is given
+        defaults = nodes is None and isinstance(polar, str)
         if isinstance(polar, str):
             if polar != "auto":
                 raise ChannelError("polar", f"must be (angle nodes, radial nodes), None or 'auto'; got {polar!r}")
@@ -100,7 +142,8 @@ class Denoiser:
         self.params = model.params_array()
         self.dim = int(self.kernels.INTEGRAL_DIM)
         self.path = {"noisy": "generic", "halfspace": "closed-form",
-                     "hardmax-wedge": "closed-form"}.get(self.kernels.PATH, "exact")
+                     "hardmax-wedge": "closed-form",
+                     "hardmax-wedge-mixed": "exact"}.get(self.kernels.PATH, "exact")
         if self.path == "generic" and not model.noise > 0:
             raise ChannelError(
                 "noise",
@@ -108,7 +151,8 @@ class Denoiser:
                 "the generic path needs output noise Delta > 0 (set noise in the model file)",
             )
         if nodes is None:
-            nodes = DEFAULT_NODES.get(self.dim, 4)
+            nodes = (POLAR_MODEL_GH_NODES if (polar is not None and len(self.kernels.POLAR_ANGLES))
+                     else DEFAULT_NODES.get(self.dim, 4))
         if adapt is None:
             adapt = DEFAULT_ADAPT.get(self.dim, 0)
         if not (isinstance(nodes, int | np.integer) and 2 <= nodes <= 256):
@@ -124,16 +168,36 @@ class Denoiser:
             if not (len(polar) == 2 and all(isinstance(v, int | np.integer) and v >= 2 for v in polar)):
                 raise ChannelError("polar", f"must be (angle nodes per sector, radial nodes), each >= 2; got {polar!r}")
             self.polar = (int(polar[0]), int(polar[1]))
-        self._polar_rule = polar_rule(self.polar)
-        self._rule = gauss_hermite_rule(self.dim, self.nodes)
+        self.check_tol = float(check_tol)
+        # the default denoiser controls its error (DEFAULT_TOL); explicit rule sizes (the solvers'
+        # fast settings) run the fixed rule unless a tol is also given
+        if isinstance(tol, str):
+            if tol != "auto":
+                raise ChannelError("tol", f"must be a positive number, None or 'auto'; got {tol!r}")
+            tol = DEFAULT_TOL if (defaults and self.path == "exact" and self.dim > 0) else None
+        self.tol = _check_tol(tol)
+        self._rule_cache = {}
         # the adaptation passes only need the posterior's mean and covariance: a coarser rule
         self._rule_coarse = gauss_hermite_rule(self.dim, max(6, self.nodes // 2))
-        self._rule_small = None
 
     @property
     def accuracy(self) -> dict:
         return {"path": self.path, "integral_dim": self.dim, "nodes_per_dim": self.nodes,
-                "adapt": self.adapt, "inflate": self.inflate, "polar": self.polar}
+                "adapt": self.adapt, "inflate": self.inflate, "polar": self.polar,
+                "polar_radius": POLAR_RADIUS if self.polar else None,
+                "gh_check_tol": self.check_tol if self.polar else None, "tol": self.tol}
+
+    def _polar_tables(self, sizes):
+        """(cos, sin, log weight) of every angle node over the sectors, and the radial rule."""
+        th, w_th, rr, w_r = polar_rule(sizes)
+        if sizes is None:
+            return th, th, th, rr, w_r
+        edges = np.asarray(self.kernels.POLAR_ANGLES)
+        half = 0.5 * np.diff(edges)[:, None]
+        ang = (0.5 * (edges[:-1] + edges[1:]))[:, None] + half * th[None, :]
+        lw = np.log(half * w_th[None, :])
+        return (np.ascontiguousarray(np.cos(ang).ravel()), np.ascontiguousarray(np.sin(ang).ravel()),
+                np.ascontiguousarray(lw.ravel()), rr, w_r)
 
     def observe(self, y: np.ndarray) -> np.ndarray:
         """Observed reduced quantity (h for attention models, else y), with manifold checks."""
@@ -162,9 +226,12 @@ class Denoiser:
         self._raise(status)
         return obs.reshape(*batch, n_obs)
 
-    def __call__(self, y, omega, V, *, error: bool = False, obs=None) -> DenoiserOutput:
+    def __call__(self, y, omega, V, *, error: bool = False, obs=None, tol: float | None | str = "default",
+                 max_refine: int = 3) -> DenoiserOutput:
         """``obs`` (optional, from ``model.observation(Z)``) replaces y: the reduced observed
-        quantity, e.g. h for attention models when the output softmax underflows."""
+        quantity, e.g. h for attention models when the output softmax underflows. ``error``:
+        estimate the error from rules of 3/4 the size; ``tol``: refine (rules x1.5) the samples
+        whose estimated error exceeds tol, at most ``max_refine`` times (see the module doc)."""
         p, T = self.model.p, self.model.tokens
         omega = np.asarray(omega, dtype=float)
         V = np.asarray(V, dtype=float)
@@ -176,10 +243,16 @@ class Denoiser:
             raise ChannelError("omega", "contains NaN or infinite entries")
         if not np.all(np.isfinite(V)):
             raise ChannelError("V", "contains NaN or infinite entries")
+        tol = self.tol if (isinstance(tol, str) and tol == "default") else _check_tol(tol)
         if self.kernels.PATH == "halfspace":
             return self._halfspace(y, omega, V)
         if self.kernels.PATH == "hardmax-wedge":
             return self._wedges(y, omega, V)
+        if self.kernels.PATH == "hardmax-wedge-mixed":  # (model.denoiser() builds it directly)
+            from .hardmax_channel import HardmaxMixedDenoiser
+
+            return HardmaxMixedDenoiser(self.model, polar=self.polar)(y, omega, V, error=error, obs=obs, tol=tol,
+                                                                      max_refine=max_refine)
         obs = self.observe(y) if obs is None else np.asarray(obs, dtype=float)
         batch = np.broadcast_shapes(obs.shape[:-1], omega.shape[:-2], V.shape[:-2] if V.ndim > 2 else ())
         obs_f = np.ascontiguousarray(np.broadcast_to(obs, (*batch, obs.shape[-1])).reshape(-1, obs.shape[-1]))
@@ -189,15 +262,32 @@ class Denoiser:
         else:
             V_f = np.ascontiguousarray(np.broadcast_to(V, (*batch, p, p)).reshape(-1, p, p))
         V_f = 0.5 * (V_f + np.swapaxes(V_f, 1, 2))
-        g, dg, extra = self._run(obs_f, om_f, V_f, self._rule, self._polar_rule)
+        g, dg, extra = self._run(obs_f, om_f, V_f, self._rules(0))
         err = None
-        if error:
-            if self._rule_small is None:
-                small = None if self.polar is None else tuple(v - v // 4 for v in self.polar)
-                self._rule_small = (gauss_hermite_rule(self.dim, self.nodes - self.nodes // 4), polar_rule(small))
-            g2, dg2, _ = self._run(obs_f, om_f, V_f, *self._rule_small)
-            err = np.maximum(np.abs(g - g2).reshape(len(g), -1).max(axis=1),
-                             np.abs(dg - dg2).reshape(len(g), -1).max(axis=1)).reshape(batch)
+        if error or tol is not None:
+            err = self._estimate(obs_f, om_f, V_f, g, dg, extra, 0)
+            level = 0
+            while tol is not None and level < max_refine:
+                bad = np.flatnonzero(~(err <= tol))
+                if bad.size == 0:
+                    break
+                level += 1
+                rules = self._rules(level)
+                if rules is None:  # the rule cannot grow further (tensor size cap)
+                    break
+                Vb = np.ascontiguousarray(V_f if V_f.shape[0] == 1 else V_f[bad])
+                gb, dgb, eb = self._run(obs_f[bad], om_f[bad], Vb, rules)
+                # new estimate: the larger rule against the previous one (or its own check)
+                eb_err = _difference(gb, dgb, g[bad], dg[bad], eb[:, 0], extra[bad, 0])
+                gh = np.isfinite(eb[:, 2])
+                eb_err[gh] = eb[gh, 2]
+                err[bad] = eb_err
+                g[bad], dg[bad], extra[bad] = gb, dgb, eb
+            if tol is not None and np.any(~(err <= tol)):
+                warnings.warn(f"denoiser: {int(np.sum(~(err <= tol)))} of {len(err)} samples did not reach tol={tol:g} "
+                              f"(largest estimated error {np.nanmax(err):.1e}; the rule cannot grow further)",
+                              RuntimeWarning, stacklevel=2)
+            err = err.reshape(batch)
         return DenoiserOutput(
             g_out=g.reshape(*batch, p, T),
             dg_out=dg.reshape(*batch, p, T, p, T),
@@ -284,18 +374,46 @@ class Denoiser:
         return DenoiserOutput(g_out=g.reshape(*batch, 1, 2), dg_out=dg.reshape(*batch, 1, 2, 1, 2),
                               log_z_out=log_z.reshape(batch), ess=np.full(batch, np.inf), path=self.path)
 
-    def _run(self, obs, omega, V, rule, polar):
+    def _estimate(self, obs, omega, V, g, dg, extra, level):
+        """Error estimate per sample: the Gauss-Hermite check where it was accepted, else the
+        difference to rules of 3/4 the size."""
+        err = extra[:, 2].copy()
+        rest = np.flatnonzero(~np.isfinite(err))
+        if rest.size:
+            Vr = np.ascontiguousarray(V if V.shape[0] == 1 else V[rest])
+            g2, dg2, e2 = self._run(obs[rest], omega[rest], Vr, self._rules(level, small=True))
+            err[rest] = _difference(g[rest], dg[rest], g2, dg2, extra[rest, 0], e2[:, 0])
+        return err
+
+    def _rules(self, level: int, small: bool = False):
+        """Rule set at refinement ``level`` (sizes x1.5^level; x3/4 when ``small``), cached;
+        None when the tensor rule would exceed MAX_TENSOR_NODES or 256 points."""
+        key = (level, small)
+        if key not in self._rule_cache:
+            f = 1.5**level
+            shrink = (lambda v: v - v // 4) if small else (lambda v: v)
+            n = shrink(int(round(self.nodes * f)))
+            if self.dim > 0 and (n > 256 or n**self.dim > MAX_TENSOR_NODES):
+                return None
+            polar = None if self.polar is None else tuple(shrink(int(round(v * f))) for v in self.polar)
+            self._rule_cache[key] = (gauss_hermite_rule(self.dim, n), gauss_hermite_rule(self.dim, n - n // 4),
+                                     self._polar_tables(polar))
+        return self._rule_cache[key]
+
+    def _run(self, obs, omega, V, rules):
         n = omega.shape[0]
         p, T = self.model.p, self.model.tokens
         g = np.empty((n, p, T))
         dg = np.empty((n, p, T, p, T))
-        extra = np.empty((n, 2))
+        extra = np.empty((n, 3))
         status = np.empty(n, dtype=np.int64)
-        nodes, lw = rule
+        (nodes, lw), (nk, lwk), (pc, ps, plw, rr, w_r) = rules
         nc, lwc = self._rule_coarse
-        th, w_th, rr, w_r = polar
+        if not len(pc):  # no polar rule: no Gauss-Hermite check either
+            nk, lwk = np.zeros((0, max(self.dim, 1))), np.zeros(0)
         self.kernels.denoise_batch(obs, omega, V, self.params, nodes, lw, nc, lwc, self.adapt, self.inflate,
-                                   th, w_th, rr, w_r, g, dg, extra, status)
+                                   pc, ps, plw, rr, w_r, POLAR_RADIUS, nk, lwk, self.check_tol,
+                                   g, dg, extra, status)
         self._raise(status)
         return g, dg, extra
 

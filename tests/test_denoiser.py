@@ -228,30 +228,115 @@ def test_nishimori_identity(name, values, acc):
 # ----------------------------------------------------------------------------- ground truth
 
 
-def _check_against_nquad(points, nodes, tol):
+# (scale of omega per layer, V) as met along the SE (omega ~ N(0, Q), V = I - Q): moderate,
+# last layer nearly known (staircase), then the first layer half learned, both nearly known
+REGIMES = [
+    (np.array([0.6, 0.6]), np.array([[1.0, 0.2], [0.2, 0.8]])),
+    (np.array([0.6, 0.6]), np.array([[0.6, -0.1], [-0.1, 0.9]])),
+    (np.array([0.1, 0.97]), np.diag([1.0, 0.05])),
+    (np.array([0.7, 0.99]), np.diag([0.5, 0.02])),
+    (np.array([0.99, 0.99]), 0.02 * np.eye(2)),
+]
+
+
+def _check_against_nquad(points, den, tol, regimes=REGIMES):
     m = load("attention_L2_T2", skip=1.0)
     rng = np.random.default_rng(8)
     Z, y = m.sample(points, rng)
-    om = 0.6 * rng.normal(size=(points, 2, 2))
-    Vs = [np.array([[1.0, 0.2], [0.2, 0.8]]), np.array([[0.6, -0.1], [-0.1, 0.9]]), np.eye(2), 0.5 * np.eye(2)]
-    den = m.denoiser(nodes=nodes)
+    xi = rng.normal(size=(points, 2, 2))
     for i in range(points):
-        V = Vs[i % len(Vs)]
-        lz, mean, _ = l2t2_reference(Z[i], om[i], V, 1.0, epsabs=1e-14, epsrel=1e-11, moments=1)
-        out = den(y[i], om[i], V)
-        g_ref = np.linalg.solve(V, mean - om[i])
+        scale, V = regimes[i % len(regimes)]
+        om = scale[:, None] * xi[i]
+        Zi = om + np.linalg.cholesky(V) @ rng.normal(size=(2, 2))  # a typical y for this (omega, V)
+        yi = m.link(Zi)
+        lz, mean, _ = l2t2_reference(Zi, om, V, 1.0, epsabs=1e-14, epsrel=1e-11, moments=1)
+        out = den(yi, om, V)
+        g_ref = np.linalg.solve(V, mean - om)
         assert np.max(np.abs(out.g_out - g_ref)) <= tol * np.max(np.abs(g_ref)), (i, out.g_out, g_ref)
         # log_z_out excludes the y <-> h Jacobian, as the reference does
         assert abs(out.log_z_out - lz) <= tol * max(1.0, abs(lz))
 
 
-def test_two_layer_matches_independent_quadrature():
-    _check_against_nquad(points=1, nodes=192, tol=1e-8)
+def test_two_layer_default_denoiser_matches_independent_quadrature():
+    """The documented API with its defaults (error control to 1e-8) against scipy nquad."""
+    _check_against_nquad(points=1, den=load("attention_L2_T2", skip=1.0).denoiser(), tol=1e-8)
+
+
+def test_two_layer_gauss_hermite_matches_independent_quadrature():
+    _check_against_nquad(points=1, den=load("attention_L2_T2", skip=1.0).denoiser(nodes=192), tol=1e-8)
 
 
 @pytest.mark.slow
-def test_two_layer_matches_independent_quadrature_many_points():
-    _check_against_nquad(points=4, nodes=192, tol=1e-8)
+def test_two_layer_default_denoiser_matches_quadrature_in_every_regime():
+    """Moderate, staircase (V = diag(1, 0.05)), first-layer-sharp and fully sharp posteriors."""
+    _check_against_nquad(points=len(REGIMES), den=load("attention_L2_T2", skip=1.0).denoiser(), tol=1e-8)
+
+
+def _regime_points(m, rng, per=3):
+    ys, oms, Vs = [], [], []
+    for scale, V in REGIMES:
+        for _ in range(per):
+            om = scale[:, None] * rng.normal(size=(2, 2))
+            Zi = om + np.linalg.cholesky(V) @ rng.normal(size=(2, 2))
+            ys.append(m.link(Zi)), oms.append(om), Vs.append(V)
+    return np.array(ys), np.array(oms), np.array(Vs)
+
+
+def test_error_estimate_and_tolerance_against_a_finer_rule():
+    """error=True bounds the actual error of the fixed rule (up to a small factor), and tol=1e-8
+    delivers 1e-8, in every regime; the reference is the polar rule at 2.5x the size per axis."""
+    m = load("attention_L2_T2", skip=1.0)
+    y, om, V = _regime_points(m, np.random.default_rng(21))
+    ref = m.denoiser(polar=(45, 120), nodes=48, tol=None)(y, om, V)
+    fixed = m.denoiser(tol=None)(y, om, V, error=True)
+    ctrl = m.denoiser()(y, om, V)  # default: tol = 1e-8
+
+    def actual(out):
+        gs = np.maximum(1.0, np.abs(ref.g_out).reshape(len(y), -1).max(axis=1))
+        ds = np.maximum(1.0, np.abs(ref.dg_out).reshape(len(y), -1).max(axis=1))
+        return np.maximum(np.abs(out.g_out - ref.g_out).reshape(len(y), -1).max(axis=1) / gs,
+                          np.abs(out.dg_out - ref.dg_out).reshape(len(y), -1).max(axis=1) / ds)
+
+    assert np.all(actual(fixed) <= 3 * fixed.error + 1e-12), (actual(fixed), fixed.error)
+    assert np.all(actual(ctrl) <= 1e-8), actual(ctrl)
+    assert np.all(ctrl.error <= 1e-8)
+    assert np.allclose(ctrl.log_z_out, ref.log_z_out, rtol=0, atol=1e-8)
+    # the fixed default rule alone is not 1e-8 everywhere (first-layer-sharp regime): the control matters
+    assert actual(fixed).max() > 1e-8
+
+
+def test_polar_model_uses_checked_gauss_hermite_only_where_it_is_exact():
+    m = load("attention_L2_T2", skip=1.0)
+    rng = np.random.default_rng(22)
+    om = rng.normal(size=(6, 2, 2))
+    Vn = 0.02 * np.eye(2)
+    y = m.link(om + np.sqrt(0.02) * rng.normal(size=(6, 2, 2)))  # typical outputs at (omega, Vn)
+    den = m.denoiser(tol=None)
+    narrow = den(y, om, Vn)
+    broad = den(y, om, np.eye(2))
+    assert broad.polar.all()  # the prior of u is wide: never Gauss-Hermite
+    gh = ~narrow.polar
+    assert gh.sum() >= 3
+    fine = m.denoiser(polar=(45, 120), nodes=48, tol=None, check_tol=0.0)(y, om, Vn)
+    assert fine.polar.all()  # check_tol = 0 never accepts Gauss-Hermite
+    scale = np.abs(fine.g_out[gh]).max()
+    assert np.allclose(narrow.g_out[gh], fine.g_out[gh], rtol=0, atol=1e-9 * scale)
+
+
+def test_default_denoiser_batch_equals_scalar_loop_with_refinement():
+    m = load("attention_L2_T2", skip=1.0)
+    y, om, V = _regime_points(m, np.random.default_rng(23), per=1)
+    den = m.denoiser()
+    batch = den(y, om, V)
+    for i in range(len(y)):
+        one = den(y[i], om[i], V[i])
+        assert np.array_equal(one.g_out, batch.g_out[i]) and np.array_equal(one.dg_out, batch.dg_out[i])
+
+
+def test_tol_is_validated():
+    den = load("attention_L2_T2", skip=1.0).denoiser()
+    with pytest.raises(ChannelError, match="tol"):
+        den(np.full((2, 2), 0.5), np.zeros((2, 2)), np.eye(2), tol=-1.0)
 
 
 # ----------------------------------------------------------------------------- robustness
