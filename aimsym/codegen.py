@@ -24,10 +24,13 @@ from .spec import Spec, to_toml
 from .symbolic import Derivation, derive
 
 TEMPLATE = Path(__file__).with_name("driver_template.py")
+# second driver, appended only to models whose reduction is a hardmax last layer after a
+# first layer (kind "hardmax-wedge-mixed"): aimsym/hardmax_template.py
+HARDMAX_TEMPLATE = Path(__file__).with_name("hardmax_template.py")
 # the generator's identity: package version + digest of the generator and driver sources, so
 # that any change to either marks every generated module stale
 GENERATOR_VERSION = __version__ + "+" + hashlib.sha256(
-    Path(__file__).read_bytes() + TEMPLATE.read_bytes()
+    Path(__file__).read_bytes() + TEMPLATE.read_bytes() + HARDMAX_TEMPLATE.read_bytes()
 ).hexdigest()[:10]
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -200,6 +203,24 @@ def _last_beta_kernel(d: Derivation) -> list[str]:
     return lines
 
 
+def _mixing_kernel(d: Derivation) -> list[str]:
+    """``mixing(u, params, M)``: the earlier layers' mixing matrix M_{L-1}(u) at the free
+    indices u (for the hardmax-last-layer reduction, where y constrains v = M_{L-1}(u) z_L)."""
+    red = d.reduction
+    mix = red.mixing
+    T = mix.shape[0]
+    named = [(f"(M_{{L-1}})_{{{a},{b}}}", mix[a, b]) for a in range(T) for b in range(T)]
+    named.append((r"\det M_{L-1}", red.det_mixing))
+    lines = ["@njit(cache=True)", "def mixing(u, params, M):"]
+    lines += _docstring("Mixing matrix M_{L-1}(u) of the earlier layers at the free indices u; out M (T, T).",
+                        latex_program(d.program, named, 8000))
+    lines += _unpack(d, red.free, "u") + _unpack_params(d)
+    body, reduced = _program_block(d, list(mix))
+    lines += body
+    lines += [f"    M[{a}, {b}] = {reduced[a * T + b]}" for a in range(T) for b in range(T)]
+    return lines
+
+
 def _polar_angles(spec: Spec, d: Derivation) -> list[float]:
     """Sector boundaries of the polar rule, where it applies: two layers, T = 2, the free
     indices u = z_1 of a tied rank-one single-head first layer, whose attention (logits
@@ -283,11 +304,16 @@ def module_source(spec: Spec) -> str:
         "",
     ]
     parts = [_link_kernel(d), _jacobian_kernel(d), _noise_kernel(d), _last_beta_kernel(d), _branch_kernel(d)]
+    hardmax_mixed = red is not None and red.kind == "hardmax-wedge-mixed"
+    if hardmax_mixed:
+        parts.append(_mixing_kernel(d))
     body = []
     for p in parts:
         body += ["", ""] + p
     template = TEMPLATE.read_text().split("# ---- template begins ----\n", 1)[1]
     text = "\n".join(head + body) + "\n\n\n" + template
+    if hardmax_mixed:
+        text += "\n\n" + HARDMAX_TEMPLATE.read_text().split("# ---- template begins ----\n", 1)[1]
     return text
 
 

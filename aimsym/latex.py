@@ -129,6 +129,8 @@ def reduction_section(d: Derivation) -> str:
             r"\mathcal N(y; g(Z), \Delta I)\,dZ . \]"
         )
         return "\n".join(lines) + "\n"
+    if red.kind == "hardmax-wedge-mixed":
+        return hardmax_mixed_section(d)
     free = ", ".join(f"z_{{{k},{t}}}" for k, t in red.free) or r"\varnothing"
     solved = ", ".join(f"z_{{{k},{t}}}" for k, t in red.solved)
     lines.append(f"{_esc(d.reduction_reason)}. Integral dimension {red.integral_dim}: "
@@ -165,6 +167,43 @@ def reduction_section(d: Derivation) -> str:
         + r", \qquad g_{\rm out} = V^{-1}(\mathbb E[z_t\mid y]-\omega_t),\quad "
         r"\partial_\omega g_{\rm out} = V^{-1}{\rm Cov}(z_t,z_s\mid y)V^{-1} - \delta_{ts}V^{-1}. \]"
     )
+    if red.notes:
+        lines.append("Notes: " + "; ".join(_esc(n) for n in red.notes) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def hardmax_mixed_section(d: Derivation) -> str:
+    """Region constraint of a hardmax last layer after a tied rank-one first layer, T = 2."""
+    red = d.reduction
+    beta = sp.latex(red.beta)
+    mix = red.mixing
+    named = [(f"(M_1)_{{{a},{b}}}", mix[a, b]) for a in range(2) for b in range(2)]
+    named.append((r"\det M_1", red.det_mixing))
+    lines = [r"\section*{Exact reduction of the denoiser}", "",
+             f"{_esc(d.reduction_reason)}.",
+             r"Write $u = (z_{0,0}, z_{0,1})$ (first layer, integrated over) and $w = (z_{1,0}, z_{1,1})$ "
+             r"(last layer). The last layer sees $v = M_1(u)\,w$, with the mixing matrix of the first layer",
+             _align(latex_program(d.program, named)),
+             r"and $y = \mathrm{hardmax}_{\rm rows}(" + beta + r"\, v v^\top)$ reveals the signs of "
+             r"$v_1(v_1 - v_2)$ and $v_2(v_2 - v_1)$: $v$ lies in the union $W_y$ of the wedges of the "
+             r"$v$-plane cut by $v_1 = 0$, $v_2 = 0$, $v_1 = v_2$ whose hardmax pattern is $y$ "
+             r"($y_{11} = y_{21} = 1$: $0 < \arg v < \pi/4$ or $\pi < \arg v < 5\pi/4$; "
+             r"$y_{12} = y_{22} = 1$: $\pi/4 < \arg v < \pi/2$ or $5\pi/4 < \arg v < 3\pi/2$; "
+             r"$y = I$: $v_1 v_2 < 0$; the pattern $y_{12} = y_{21} = 1$ has probability zero). "
+             r"Hence $w \in M_1(u)^{-1} W_y$, again a union of wedges through the origin.",
+             r"Given $u$, $w \sim \mathcal N(m(u), s^2 I)$ with $m_t = \omega_{1,t} + (V_{01}/V_{00})(u_t - \omega_{0,t})$ "
+             r"and $s^2 = V_{11} - V_{01}^2/V_{00}$ (tokens are independent), so",
+             r"\[ Z_{\rm out}(y;\omega,V) = P(y) = \int_{\mathbb R^2} \prod_t \mathcal N(u_t;\omega_{0,t},V_{00})\,"
+             r"\Pr\big[w \in M_1(u)^{-1} W_y \,\big|\, u\big]\,du , \]",
+             r"and on a wedge $\{w = s\rho\,e(\theta),\ \theta_0<\theta<\theta_1\}$, with $a = m\cdot e(\theta)/s$, "
+             r"$b = m\cdot e(\theta)^\perp/s$ and $K_k(a) = \int_0^\infty \rho^k e^{-\rho^2/2 + a\rho}\,d\rho$ "
+             r"($K_0 = \sqrt{2\pi}\,\Phi(a)\,e^{a^2/2}$, $K_1 = 1 + a K_0$, $K_2 = a K_1 + K_0$, $K_3 = a K_2 + 2K_1$),",
+             r"\[ \mathbb E\big[\rho^{k-1} e^{\otimes(k-1)} \mathbf 1_{\rm wedge}\big] = \frac{1}{2\pi}\int_{\theta_0}^{\theta_1} "
+             r"e^{-(a^2+b^2)/2} K_k(a)\, e(\theta)^{\otimes (k-1)}\,d\theta, \quad k = 1, 2, 3 . \]",
+             r"The posterior mean and covariance of $Z$ give "
+             r"$g_{\rm out} = V^{-1}(\mathbb E[z_t\mid y]-\omega_t)$ and "
+             r"$\partial_\omega g_{\rm out} = V^{-1}{\rm Cov}(z_t,z_s\mid y)V^{-1} - \delta_{ts}V^{-1}$; "
+             r"$\log Z_{\rm out}$ is the log probability of $y$."]
     if red.notes:
         lines.append("Notes: " + "; ".join(_esc(n) for n in red.notes) + ".")
     return "\n".join(lines) + "\n"

@@ -123,6 +123,10 @@ class Model:
         return Z, y
 
     def denoiser(self, **accuracy):
+        if self.kernels.PATH == "hardmax-wedge-mixed":  # hardmax last layer after a first layer
+            from .hardmax_channel import HardmaxMixedDenoiser
+
+            return HardmaxMixedDenoiser(self, **accuracy)
         from .channel import Denoiser
 
         return Denoiser(self, **accuracy)

@@ -410,9 +410,12 @@ def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix):
                                "is the Gaussian restricted to a union of wedges (closed form in radius, "
                                "Gauss-Legendre in angle)"])
         return red, "hardmax, one layer, T = 2: region constraint (union of wedges), closed form"
+    if (last.activation == "hardmax" and not why and len(spec.layers) == 2 and spec.tokens == 2
+            and not spec.depth_limit and _first_layer_rank1_tied(spec)):
+        return _hardmax_mixed_reduction(spec, M_prev)
     if last.activation not in ("softmax", "linear"):
         why.append(f"last activation {last.activation} (needs softmax or linear; hardmax gives region constraints, "
-                   "handled for one layer and T = 2)")
+                   "handled at T = 2 for one layer, or two layers with a tied rank-one single-head first layer)")
     if why:
         return None, "no exact reduction: " + "; ".join(why)
     T = spec.tokens
@@ -452,6 +455,47 @@ def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix):
         obs_from_Z=list(M_prev * z_last),
     )
     return red, "y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly"
+
+
+def _first_layer_rank1_tied(spec: AttentionSpec) -> bool:
+    first = spec.layers[0]
+    return first.tied and first.rank == 1 and first.heads == 1
+
+
+def _hardmax_mixed_reduction(spec: AttentionSpec, M_prev: sp.Matrix):
+    """Hardmax last layer after a tied rank-one first layer, T = 2 (theory section 3, region
+    constraints). With u = z_1 (free) and w = z_2 (solved region), the last layer sees
+    v = M_1(u) w and y = hardmax(beta v v^T) reveals the signs of v_1 (v_1 - v_2) and
+    v_2 (v_2 - v_1): v lies in a union of wedges cut by v_1 = 0, v_2 = 0, v_1 = v_2, so w lies
+    in the union of their images under M_1(u)^{-1}, again wedges through the origin."""
+    det, _ = det_adjugate(M_prev)
+    notes = [
+        "y = hardmax(beta v v^T), v = M_1(u) z_2, fixes the signs of v_1 (v_1 - v_2) and v_2 (v_2 - v_1): "
+        "z_2 lies in the wedges M_1(u)^{-1} W_y (W_y: wedges cut by v_1 = 0, v_2 = 0, v_1 = v_2)",
+        "given u = z_1 the prior of z_2 is an isotropic Gaussian (conditional of N(omega_t, V) per token): "
+        "wedge probability and truncated moments in closed form in the radius (erfc) and by graded "
+        "Gauss-Legendre in the angle",
+        "the outer integral over u (dimension 2) is a polar rule split on u_1 = 0, u_2 = 0, u_1 = u_2 "
+        "(where the first layer's attention switches)",
+    ]
+    prev = spec.layers[0]
+    if prev.activation == "hardmax" or (isinstance(prev.skip, float) and prev.skip <= 0):
+        notes.append("det M_1 may vanish (hardmax first layer or skip <= 0): points with det M_1 = 0 have zero weight")
+    red = Reduction(
+        kind="hardmax-wedge-mixed",
+        free=[(0, 0), (0, 1)],
+        solved=[(1, 0), (1, 1)],
+        obs=[sp.Symbol("y_0", real=True)],
+        branches=[],
+        log_jacobian=[],
+        mixing=M_prev,
+        det_mixing=det,
+        activation="hardmax",
+        beta=param_symbol(spec.layers[-1].beta),
+        notes=notes,
+    )
+    return red, ("hardmax last layer after a tied rank-one first layer, T = 2: region constraint "
+                 "(z_2 in a union of wedges depending on z_1), 2-D integral over z_1")
 
 
 def _solve_reduction(spec: SMISpec, Z: sp.Matrix, link: sp.Matrix):

@@ -127,7 +127,10 @@ def h_from_y():
 
 def test_reduction_reported_when_absent():
     for kw, word in [({"output": "tokens"}, "tokens"), ({"rank": 2}, "rank"), ({"heads": 2}, "heads"),
-                     ({"tied": False}, "untied"), ({"activation": "hardmax"}, "hardmax")]:
+                     ({"tied": False}, "untied"),
+                     # (a tied rank-one first layer before a hardmax last layer is a region reduction,
+                     # tests/test_hardmax_mixed.py; an untied one is not)
+                     ({"activation": "hardmax", "tied": [False, True]}, "hardmax")]:
         d_ = derive(S.make_attention(tokens=2, layers=2, **kw))
         assert d_.reduction is None and word in d_.reduction_reason
 
