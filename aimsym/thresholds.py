@@ -150,10 +150,17 @@ def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se:
         cache[alpha] = {"op": op, "Q": se.Q, "f": alpha * op["rho"] - 1.0}
         return cache[alpha]
 
+    # Bracket upwards in steps of 15 %. The point right after the previous threshold is evaluated
+    # only when the first step is already unstable: there the restricted SE is critically slow
+    # (hundreds of iterations), and it is needed only to tell "unstable at once" from a root
+    # inside the first step.
     lo, hi = alpha_start * 1.0001, None
-    if evaluate(lo)["f"] >= 0:  # already unstable right after the previous threshold
-        hi = lo
-    a = lo
+    a_first = lo * 1.15
+    if a_first > alpha_max:
+        raise AimsymError("alpha", f"no further threshold below alpha_max = {alpha_max} for block {P}")
+    if evaluate(a_first)["f"] >= 0:
+        hi = lo if evaluate(lo)["f"] >= 0 else a_first  # already unstable right after the previous threshold
+    a = a_first
     while hi is None:
         a_next = a * 1.15
         if a_next > alpha_max:
