@@ -94,7 +94,8 @@ def parse_expression(text: str, *, indices: int, tokens: int, parameters, fld: s
 
 
 def parse_link(spec) -> sp.Matrix | sp.Expr:
-    """SymPy form of an :class:`~aimsym.spec.SMISpec` link (scalar, vector or matrix)."""
+    """SymPy form of an :class:`~aimsym.spec.SMISpec` link (scalar, vector or matrix); a
+    matrix link is passed through the spec's row ``activation`` (softmax / hardmax)."""
 
     def one(s):
         return parse_expression(s, indices=spec.indices, tokens=spec.tokens, parameters=spec.parameters_)
@@ -103,5 +104,13 @@ def parse_link(spec) -> sp.Matrix | sp.Expr:
     if isinstance(link, str):
         return one(link)
     if isinstance(link[0], tuple):
-        return sp.Matrix([[one(e) for e in row] for row in link])
+        M = sp.Matrix([[one(e) for e in row] for row in link])
+        act = getattr(spec, "activation", "linear")
+        if act != "linear":
+            # sigma along rows, by the very functions attention layers use (lazy import:
+            # aimsym.symbolic imports this module)
+            from .symbolic import activate
+
+            M = activate(act, M)
+        return M
     return sp.Matrix([one(e) for e in link])

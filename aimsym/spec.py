@@ -7,7 +7,9 @@ Two kinds of model are declared:
   beta), and ``output`` (``"attention"``: the last attention matrix, or ``"tokens"``: the
   mixing product M_L, sequence to sequence);
 * :class:`SMISpec` -- a free-form sequence multi-index link, a SymPy expression (or a
-  matrix of them) in the indices ``z[k, t]``, parsed without ``eval``.
+  matrix of them) in the indices ``z[k, t]``, parsed without ``eval``; optionally a matrix
+  link is passed through ``activation`` along its rows (the same symbolic softmax / hardmax
+  as attention layers), e.g. ``y = softmax_rows(beta h)`` for a free-form logit matrix h.
 
 Numeric parameters (``skip``, ``beta``) are either numbers or identifiers; an identifier
 keeps the parameter symbolic so one generated kernel serves a whole sweep.
@@ -99,6 +101,9 @@ class SMISpec:
     noise: Param = 0.0
     name: str = "model"
     description: str = ""
+    # sigma applied along the rows of a matrix link (aimsym.symbolic.activate): "linear" is
+    # the identity (the default, kept out of the hash so earlier specs keep theirs)
+    activation: str = "linear"
     kind: str = field(default="smi", init=False)
 
     @property
@@ -130,6 +135,8 @@ def canonical(spec: Spec) -> dict:
         # optional features at their defaults stay out, so adding one keeps earlier hashes
         for key in ("depth_limit", "tau", "depth_steps"):
             d.pop(key)
+    if isinstance(spec, SMISpec) and spec.activation == "linear":
+        d.pop("activation")
     return d
 
 
@@ -286,8 +293,10 @@ def make_smi(
     noise=0.0,
     name: str = "model",
     description: str = "",
+    activation: str = "linear",
 ) -> SMISpec:
-    """Validated :class:`SMISpec`. ``link``: a string, or a (nested) list of strings."""
+    """Validated :class:`SMISpec`. ``link``: a string, or a (nested) list of strings.
+    ``activation``: sigma along the rows of a matrix link (``linear``: none)."""
     p = _int(indices, "indices", 1, 16)
     T = _int(tokens, "tokens", 1, 8)
     params = tuple(_param(s, "parameters") for s in parameters)
@@ -307,6 +316,10 @@ def make_smi(
     if isinstance(lk, tuple) and isinstance(lk[0], tuple):
         if len({len(row) for row in lk}) != 1 or any(isinstance(e, tuple) for row in lk for e in row):
             raise SpecError("link", "a matrix link must be a list of equally long lists of strings")
+    _choice(activation, "activation", ACTIVATIONS)
+    if activation != "linear" and not (isinstance(lk, tuple) and isinstance(lk[0], tuple)):
+        raise SpecError("activation", f"{activation!r} acts along the rows of a matrix link: "
+                                      "write link as a list of lists")
     spec = SMISpec(
         indices=p,
         tokens=T,
@@ -315,6 +328,7 @@ def make_smi(
         noise=_param(noise, "noise", nonneg=True),
         name=_name(name),
         description=str(description),
+        activation=activation,
     )
     # parse now so that a bad link is reported at load time, naming the field
     from .parse import parse_link
@@ -335,7 +349,7 @@ _ATTENTION_KEYS = {
     "kind", "tokens", "layers", "rank", "heads", "tied", "skip", "activation", "beta",
     "readout", "output", "head_mode", "noise", "name", "description", "depth_limit", "tau", "depth_steps",
 }
-_SMI_KEYS = {"kind", "indices", "tokens", "link", "parameters", "noise", "name", "description"}
+_SMI_KEYS = {"kind", "indices", "tokens", "link", "parameters", "noise", "name", "description", "activation"}
 
 
 def from_dict(data: dict, *, default_name: str = "model") -> Spec:
@@ -415,6 +429,8 @@ def to_toml(spec: Spec) -> str:
         lines += [f"indices = {spec.indices}", f"tokens = {spec.tokens}", f"link = {fmt(spec.link)}"]
         if spec.parameters_:
             lines.append(f"parameters = {fmt(list(spec.parameters_))}")
+        if spec.activation != "linear":
+            lines.append(f"activation = {fmt(spec.activation)}")
     lines.append(f"noise = {fmt(spec.noise)}")
     return "\n".join(lines) + "\n"
 
