@@ -237,3 +237,16 @@ def test_cli_se_tokens3_hardmax(capsys):
                  "0.1,0.3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out[0]["mmse"] > out[1]["mmse"] > 0 and out[1]["tokens"] == 3
+
+
+def test_amp_runs_with_t3_denoiser_and_exact_form_refuses():
+    """The isotropic GAMP uses the T = 3 denoiser generically (a few iterations at tiny d, the
+    error drops below the prior's); the exact per-sample form has no T = 3 step and says so."""
+    from aimsym.aim import amp
+
+    data = amp.generate(12, 0.5, 0.5, 3, "hardmax", seed=0)
+    assert data.y.shape == (72, 3)
+    out = amp.run(data, 3, "hardmax", iterations=4)
+    assert np.isfinite(out["mmse"]) and out["mmse"] < 1.0
+    with pytest.raises(AimsymError, match="onsager"):
+        amp.run(data, 3, "hardmax", iterations=2, onsager="exact")

@@ -248,6 +248,9 @@ def hardmax_joint_denoise(y, omega, Sigma):
 
 def _joint_output(ch, y, h0, null, omega, Sigma):
     if ch.activation == "hardmax":
+        if ch.tokens != 2:
+            raise AimsymError("onsager", "the exact (per-sample covariance) form has a hardmax output step for "
+                                         "tokens = 2 only; use onsager='isotropic' for tokens = 3")
         return hardmax_joint_denoise(y, omega, Sigma)
     return joint_linear_denoise(h0, null, omega, Sigma)
 
