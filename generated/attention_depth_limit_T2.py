@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: ca1478c005423335
-generator: 0.1.0+99a230c406
+generator: 0.1.0+69d9de3358
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'ca1478c005423335'
-GENERATOR_VERSION = '0.1.0+99a230c406'
+GENERATOR_VERSION = '0.1.0+69d9de3358'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2
@@ -3144,11 +3144,41 @@ def _accumulate(lw, z, omega, st, S1, S2, dz):
 
 
 @njit(cache=True)
-def denoise_one_polar(obs, omega, V, params, th, w_th, rr, w_r, g_out, dg_out, extra):
+def _quad_prior(z, omega, Vinv):
+    """sum_t (z_t - omega_t)^T V^{-1} (z_t - omega_t)."""
+    p = z.shape[0]
+    acc = 0.0
+    for t in range(z.shape[1]):
+        for k in range(p):
+            s = 0.0
+            for j in range(p):
+                s += Vinv[k, j] * (z[j, t] - omega[j, t])
+            acc += (z[k, t] - omega[k, t]) * s
+    return acc
+
+
+@njit(cache=True)
+def polar_radius(omega, V, kr):
+    """Radius of the polar disk: |omega_u| + kr sqrt(V_uu) (u = the free first-layer indices;
+    the reduced posterior is bounded by a constant times their prior marginal)."""
+    m2 = 0.0
+    v = 0.0
+    for i in range(2):
+        m2 += omega[FREE_K[i], FREE_T[i]] ** 2
+        v = max(v, V[FREE_K[i], FREE_K[i]])
+    return math.sqrt(m2) + kr * math.sqrt(v)
+
+
+@njit(cache=True)
+def denoise_one_polar(obs, omega, V, params, pc, ps, plw, rr, w_r, kr, g_out, dg_out, extra):
     """Two free indices u = z_1 (layer 1 tied, rank one, T = 2): polar product rule on the disk
-    |u| <= R, R = |omega_u| + 9 sqrt(tr V_uu), with Gauss-Legendre angles in the sectors cut by
-    the lines u_1 = 0, u_2 = 0, u_1 = u_2 (POLAR_ANGLES), where the first layer's attention
-    switches, so that every sector's integrand is smooth: spectral convergence."""
+    |u| <= R = polar_radius(omega, V, kr), with Gauss-Legendre angles in the sectors cut by the
+    lines u_1 = 0, u_2 = 0, u_1 = u_2 (POLAR_ANGLES), where the first layer's attention switches,
+    so that every sector's integrand is smooth: spectral convergence.
+
+    pc, ps, plw: cos, sin and log weight of every angle node (all sectors; fixed per rule);
+    rr, w_r: Gauss-Legendre on [-1, 1] for the radius. The two branches are z_L = +-M^{-1} h with
+    the same Jacobian, so one ``branch`` call serves both."""
     p = P
     nt = T
     pt = p * nt
@@ -3156,71 +3186,105 @@ def denoise_one_polar(obs, omega, V, params, th, w_th, rr, w_r, g_out, dg_out, e
     logdet_V = _precision(V, Vinv)
     if logdet_V != logdet_V:
         return STATUS_BAD_V
-    m2 = 0.0
-    tr = 0.0
-    for i in range(2):
-        m2 += omega[FREE_K[i], FREE_T[i]] ** 2
-        tr += V[FREE_K[i], FREE_K[i]]
-    R = math.sqrt(m2) + 9.0 * math.sqrt(tr)
+    R = polar_radius(omega, V, kr)
+    n_r = rr.shape[0]
+    rad = np.empty(n_r)
+    lwr = np.empty(n_r)
+    for j in range(n_r):
+        rad[j] = 0.5 * R * (rr[j] + 1.0)
+        lwr[j] = math.log(0.5 * R * w_r[j] * rad[j])
+    const = -0.5 * nt * (logdet_V + p * math.log(2.0 * math.pi))
     z = np.zeros((p, nt))
     u = np.empty(2)
     st = np.array([-math.inf, 0.0, 0.0])
     S1 = np.zeros(pt)
     S2 = np.zeros((pt, pt))
     dz = np.empty(pt)
-    n_sec = POLAR_ANGLES.shape[0] - 1
-    for b in range(N_BRANCHES):
-        for sec in range(n_sec):
-            a0 = POLAR_ANGLES[sec]
-            a1 = POLAR_ANGLES[sec + 1]
-            for i in range(th.shape[0]):
-                ang = 0.5 * (a0 + a1) + 0.5 * (a1 - a0) * th[i]
-                ca = math.cos(ang)
-                sa = math.sin(ang)
-                for j in range(rr.shape[0]):
-                    r = 0.5 * R * (rr[j] + 1.0)
-                    u[0] = r * ca
-                    u[1] = r * sa
-                    lj = branch(b, u, obs, params, z)
-                    if not (-math.inf < lj < math.inf):
-                        continue
-                    lw = lj + _log_prior(z, omega, Vinv, logdet_V) + math.log(
-                        0.5 * (a1 - a0) * w_th[i] * 0.5 * R * w_r[j] * r)
-                    if lw != lw:
-                        return STATUS_NOT_FINITE
-                    _accumulate(lw, z, omega, st, S1, S2, dz)
+    for k in range(pc.shape[0]):
+        for j in range(n_r):
+            u[0] = rad[j] * pc[k]
+            u[1] = rad[j] * ps[k]
+            lj = branch(0, u, obs, params, z)
+            if not (-math.inf < lj < math.inf):  # det M = 0: a null set (skip c = 0)
+                continue
+            base = lj + plw[k] + lwr[j] + const
+            for sgn in range(2):
+                if sgn == 1:  # the solved entries are the last layer's row (attention-rank1)
+                    for t in range(nt):
+                        z[p - 1, t] = -z[p - 1, t]
+                lw = base - 0.5 * _quad_prior(z, omega, Vinv)
+                if lw != lw:
+                    return STATUS_NOT_FINITE
+                _accumulate(lw, z, omega, st, S1, S2, dz)
     return _finish(st[0], st[1], st[2], S1, S2, Vinv, g_out, dg_out, extra)
 
 
 @njit(cache=True)
-def polar_suits(omega, V):
-    """The polar rule pays where the prior marginal of u is centred near the origin and not
-    narrow; sharp (small V) or distant posteriors go to the adaptive Gauss-Hermite rule."""
-    a = V[FREE_K[0], FREE_K[0]]
-    c = V[FREE_K[1], FREE_K[1]]
-    bb = V[FREE_K[0], FREE_K[1]] if FREE_T[0] == FREE_T[1] else 0.0
-    half = 0.5 * (a + c)
-    disc = math.sqrt(max(0.25 * (a - c) ** 2 + bb * bb, 0.0))
-    lmin = half - disc
-    lmax = half + disc
+def gh_plausible(omega, V):
+    """Cheap screen for the Gauss-Hermite path of polar models: the prior of u is narrow next to
+    the width ~1/|u| of the first layer's attention switch, so the reduced integrand is smooth on
+    the posterior's scale (the result is still checked against a smaller rule)."""
+    s = math.sqrt(max(V[FREE_K[0], FREE_K[0]], V[FREE_K[1], FREE_K[1]]))
     m = math.sqrt(omega[FREE_K[0], FREE_T[0]] ** 2 + omega[FREE_K[1], FREE_T[1]] ** 2)
-    # conditional variance of the solved index given u: small means a sharp ridge in u
-    last = V.shape[0] - 1
-    cond = V[last, last] - V[last, FREE_K[0]] ** 2 / a
-    return lmin >= 0.0025 and lmin >= 0.0625 * lmax and m <= 3.0 * math.sqrt(lmax) and cond >= 0.1
+    return s * (m + 5.0 * s) <= 1.0
+
+
+@njit(cache=True)
+def _rel_diff(g1, dg1, e1, g2, dg2, e2):
+    """Largest difference of two results: g_out and dg_out relative to their size (at least 1),
+    log Z absolute."""
+    gs = 1.0
+    for v in g1.ravel():
+        gs = max(gs, abs(v))
+    ds = 1.0
+    for v in dg1.ravel():
+        ds = max(ds, abs(v))
+    d = abs(e1[0] - e2[0])
+    a = g1.ravel()
+    b = g2.ravel()
+    for i in range(a.shape[0]):
+        d = max(d, abs(a[i] - b[i]) / gs)
+    a = dg1.ravel()
+    b = dg2.ravel()
+    for i in range(a.shape[0]):
+        d = max(d, abs(a[i] - b[i]) / ds)
+    return d if d == d else math.inf
 
 
 @njit(cache=True, parallel=True)
-def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate, th, w_th, rr, w_r,
+def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
+                  pc, ps, plw, rr, w_r, kr, nodes_k, log_w_k, check_tol,
                   g_out, dg_out, extra, status):
-    """Batch over the leading axis; V has leading size 1 (shared) or N. Models with
-    POLAR_ANGLES use the polar rule (th, rr: Gauss-Legendre nodes on [-1, 1]) where it suits."""
+    """Batch over the leading axis; V has leading size 1 (shared) or N.
+
+    Models with POLAR_ANGLES (and a polar rule given, pc non-empty): where ``gh_plausible``,
+    the adaptive Gauss-Hermite rule is tried first and kept if it agrees with the smaller rule
+    (nodes_k) to check_tol (extra[i, 2] = that difference, else NaN); otherwise, and everywhere
+    else, the polar rule. extra[i, 1] is the effective number of nodes, negative where the polar
+    rule was used."""
     n = omega.shape[0]
     shared = V.shape[0] == 1
+    use_polar = POLAR_ANGLES.shape[0] > 0 and pc.shape[0] > 0
     for i in prange(n):
         Vi = V[0] if shared else V[i]
-        if POLAR_ANGLES.shape[0] > 0 and th.shape[0] > 0 and polar_suits(omega[i], Vi):
-            status[i] = denoise_one_polar(obs[i], omega[i], Vi, params, th, w_th, rr, w_r,
+        extra[i, 2] = math.nan
+        if use_polar:
+            if nodes_k.shape[0] > 0 and gh_plausible(omega[i], Vi):
+                st = denoise_one(obs[i], omega[i], Vi, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
+                                 g_out[i], dg_out[i], extra[i])
+                if st == STATUS_OK:
+                    g2 = np.empty_like(g_out[i])
+                    dg2 = np.empty_like(dg_out[i])
+                    e2 = np.empty(3)
+                    st2 = denoise_one(obs[i], omega[i], Vi, params, nodes_k, log_w_k, nodes_c, log_w_c, n_adapt,
+                                      inflate, g2, dg2, e2)
+                    if st2 == STATUS_OK:
+                        d = _rel_diff(g_out[i], dg_out[i], extra[i], g2, dg2, e2)
+                        if d <= check_tol:
+                            extra[i, 2] = d
+                            status[i] = STATUS_OK
+                            continue
+            status[i] = denoise_one_polar(obs[i], omega[i], Vi, params, pc, ps, plw, rr, w_r, kr,
                                           g_out[i], dg_out[i], extra[i])
             extra[i, 1] = -extra[i, 1]  # negative ess marks the polar rule
             continue
