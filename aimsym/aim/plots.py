@@ -96,7 +96,7 @@ def fig_tokens(out, d=100, n_seeds=4, with_points=True):
 
 
 def fig_hardmax(out, d=80, n_seeds=3, with_points=True):
-    """Hardmax T = 2, log-log: power-law decay mmse ~ alpha^-2, with AMP points."""
+    """Hardmax T = 2, log-log: power-law decay mmse ~ alpha^-2, with AMP points; T = 3 at rho = 0.5."""
     from . import se
 
     plt = _plt()
@@ -116,10 +116,16 @@ def fig_hardmax(out, d=80, n_seeds=3, with_points=True):
             ax.errorbar(pts, [r["mmse"] for r in a_res], yerr=[r["mmse_sem"] or 0 for r in a_res], fmt="o",
                         ms=4, color=line.get_color(), label=f"AMP d={d}, rho=0.5")
             meta["amp"] = [{k: r[k] for k in ("alpha", "mmse", "mmse_sem", "mmse_se")} for r in a_res]
+    # T = 3 at rho = 0.5 (the channel's J(s) interpolant is built once, ~40 s, then the curve is cheap)
+    res3 = se.curve(alphas, 0.5, 3, "hardmax")
+    m3 = np.array([r.mmse for r in res3])
+    ax.loglog(alphas, m3, "--", color="k", lw=1.2, label="SE T = 3, rho = 0.5")
+    meta["slopes"]["T3_rho0.5"] = float(np.polyfit(np.log(alphas[-8:]), np.log(m3[-8:]), 1)[0])
+    meta["T3_rho0.5"] = {str(a): float(m) for a, m in zip(alphas[::8], m3[::8])}
     ax.loglog(alphas[-15:], 0.1 * alphas[-15:] ** -2.0, "k:", lw=1, label="alpha^-2")
     ax.set_xlabel("alpha")
     ax.set_ylabel("mmse")
-    ax.set_title("hardmax, T = 2: no perfect recovery, power-law decay", fontsize=8)
+    ax.set_title("hardmax, T = 2 (solid), T = 3 (dashed): power-law decay", fontsize=8)
     ax.legend(fontsize=7)
     return _save(fig, out, "hardmax", meta)
 
