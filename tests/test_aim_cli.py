@@ -54,7 +54,7 @@ def test_amp_and_gd_cli_small(capsys):
     (["aim", "se", "--activation", "relu"], "activation"),
     (["aim", "se", "--alpha", "0.2:0.1:0.01"], "--alpha"),
     (["aim", "se", "--alpha", "abc"], "--alpha"),
-    (["aim", "se", "--tokens", "3", "--activation", "hardmax"], "tokens"),
+    (["aim", "se", "--tokens", "4", "--activation", "hardmax"], "tokens"),
     (["aim", "gd", "--activation", "hardmax"], "activation"),
 ])
 def test_bad_input_exit_2(capsys, argv, field):
