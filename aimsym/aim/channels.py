@@ -550,7 +550,8 @@ def _h3_block(omega, k, width, pad, second, windows=False):
     return logZ, R
 
 
-def hardmax3_moments(omega, V=1.0, *, nodes=10, width=1.0, pad=9.0, second=True, block=256, windows=False):
+def hardmax3_moments(omega, V=1.0, *, nodes=10, width=1.0, pad=9.0, second=True, block=256, windows=False,
+                      refine=True):
     """log Z(y; omega, V) for all 27 patterns y, with g = d log Z / d omega and (if ``second``) the
     diagonal d2 log Z / d omega2, for a batch omega (n, 6).
 
@@ -559,6 +560,12 @@ def hardmax3_moments(omega, V=1.0, *, nodes=10, width=1.0, pad=9.0, second=True,
     with ``nodes`` Gauss-Legendre nodes each over [min omega - pad, max omega + pad]; the default
     agrees with 4x finer panels to ~1e-13 in log Z and g (and sums of Z over y equal 1 to 1e-15).
     Samples are processed in blocks sorted by spread (the panel count follows the spread).
+
+    Deep in the tails (log Z < -40) the integrands steepen (log-slope ~ sqrt(2 |log Z|) per unit of
+    sqrt V) and the in-panel interpolant of a steep tail can even dip below 0 (NaN); ``refine``
+    recomputes such entries on panels narrowed to 6 / sqrt(2 |log Z|) with 12 nodes (log Z and g then
+    agree with much finer panels to ~1e-9 down to log Z = -700): ``True`` for every possible pattern,
+    an integer array (n,) for one pattern per sample (the observed one), ``False`` not at all.
     """
     omega = np.atleast_2d(np.asarray(omega, dtype=float))
     if omega.shape[-1] != 6:
@@ -577,9 +584,37 @@ def hardmax3_moments(omega, V=1.0, *, nodes=10, width=1.0, pad=9.0, second=True,
     for start in range(0, n, block):
         sel = order[start:start + block]
         logZ[sel], R[sel] = _h3_block(w1[sel], nodes, width, pad, second, windows)
+    if refine is not False:
+        _refine_tails(w1, logZ, R, nodes, width, pad, second, refine)
     g = R[:, :, 0] / np.sqrt(V)
     dg = (R[:, :, 1] - R[:, :, 0] ** 2) / V if second else None
     return logZ, g, dg
+
+
+def _refine_tails(w1, logZ, R, nodes, width, pad, second, refine):
+    """Recompute (in place) the deep-tail entries of ``hardmax3_moments`` on narrower panels."""
+    n = len(w1)
+    if refine is True:
+        mask = ~(logZ >= -40.0)  # includes -inf underflow and NaN
+    else:
+        idx = np.asarray(refine, dtype=int)
+        mask = np.zeros((n, 27), dtype=bool)
+        rows = np.arange(n)
+        mask[rows, idx] = ~(logZ[rows, idx] >= -40.0)
+    mask[:, list(_H3_CYCLIC)] = False
+    deep = np.flatnonzero(mask.any(axis=1))
+    if not len(deep):
+        return
+    # per sample: halvings of the panel width needed to reach 6 / sqrt(2 |log Z|) for its deepest entry
+    lz = np.where(mask[deep], logZ[deep], 0.0)
+    est = np.where(np.isfinite(lz), np.clip(-lz, 40.0, 745.0), 745.0).max(axis=1)
+    level = np.maximum(np.ceil(np.log2(np.sqrt(2.0 * est) * width / 6.0)), 0.0)
+    for lev in np.unique(level):
+        sub = deep[level == lev]
+        lz2, R2 = _h3_block(w1[sub], max(nodes, 12), width / 2.0**lev, pad, second, False)
+        m = mask[sub]
+        logZ[sub] = np.where(m, lz2, logZ[sub])
+        R[sub] = np.where(m[..., None, None], R2, R[sub])
 
 
 def _h3_hyperplanes():
@@ -678,31 +713,15 @@ class Hardmax3Channel:
         return g, dg
 
     def _observed(self, y, omega, V, second):
-        """log Z, g, dg of the observed patterns. Deep in the tails the integrands get steep
-        (log-slope ~ sqrt(2 |log Z|) per unit of sqrt V), so samples with log Z < -40 are recomputed
-        with panels narrowed to 6 / sqrt(2 |log Z|) and 12 nodes: log Z and g then agree with much
-        finer panels to ~1e-9 down to log Z = -700."""
+        """log Z, g, dg of the observed patterns (deep-tail samples refined by ``hardmax3_moments``)."""
         idx = self._pattern_index(y)
         omega = np.atleast_2d(np.asarray(omega, dtype=float))
         if len(idx) != len(omega):
             raise ChannelError("y", f"{len(idx)} outputs for {len(omega)} omega rows")
         rows = np.arange(len(idx))
-        logZ, g, dg = hardmax3_moments(omega, V, nodes=self.nodes, width=self.width, second=second)
+        logZ, g, dg = hardmax3_moments(omega, V, nodes=self.nodes, width=self.width, second=second, refine=idx)
         logZ, g = logZ[rows, idx], g[rows, idx]
         dg = dg[rows, idx] if second else None
-        possible = ~np.isin(idx, _H3_CYCLIC)
-        deep = np.flatnonzero(possible & ~(logZ >= -40.0))  # includes underflow to -inf
-        # halvings of the panel width needed to reach 6 / sqrt(2 |log Z|)
-        # (a first pass can return NaN there: the in-panel interpolant of a steep tail may dip below 0)
-        est = np.where(np.isfinite(logZ[deep]), np.clip(np.abs(logZ[deep]), 40.0, 745.0), 745.0)
-        level = np.maximum(np.ceil(np.log2(np.sqrt(2.0 * est) * self.width / 6.0)), 0.0)
-        for lev in np.unique(level):
-            sub = deep[level == lev]
-            width = self.width / 2.0**lev
-            lz2, g2, dg2 = hardmax3_moments(omega[sub], V, nodes=max(self.nodes, 12), width=width, second=second)
-            logZ[sub], g[sub] = lz2[np.arange(len(sub)), idx[sub]], g2[np.arange(len(sub)), idx[sub]]
-            if second:
-                dg[sub] = dg2[np.arange(len(sub)), idx[sub]]
         if np.any(~np.isfinite(logZ)):
             raise ChannelError("y", "pattern impossible under the model (cyclic off-diagonal order) "
                                     "or of probability below the float range at this omega")
@@ -744,9 +763,10 @@ class Hardmax3Channel:
     def _integrand(self, omega1, nishimori=False):
         """sum_y Z 2 sum_k w_k g_k^2 at V = 1 (or, with ``nishimori``, the same with g^2 -> -dg)."""
         logZ, g, dg = hardmax3_moments(omega1, 1.0, nodes=self.se_nodes, width=self.se_width, pad=self.se_pad,
-                                       second=nishimori, windows=True)
-        Z = np.exp(logZ)
-        ok = Z > 0
+                                       second=nishimori, windows=True, refine=False)
+        # entries left unrefined in the deep tail (log Z < -40, possibly NaN) weigh < e^-40: dropped
+        ok = logZ >= -40.0
+        Z = np.exp(np.where(ok, logZ, -np.inf))
         val = -dg if nishimori else g * g
         G2 = 2.0 * np.sum(_H3_WEIGHTS * np.where(ok[..., None], val, 0.0), axis=-1)
         return np.sum(np.where(ok, Z * G2, 0.0), axis=-1)
