@@ -176,6 +176,49 @@ def fig_amp(out, d=100, n_seeds=4):
     return _save(fig, out, "amp", meta)
 
 
+def fig_finite_size(out, data):
+    """AMP mmse vs 1/d with the weighted fits a + b/d (and a + b/d + c/d^2) and the SE value, one
+    panel per (activation, alpha) found in ``data``: JSON-lines files of per-seed records written by
+    ``python -m aimsym.aim.amp --plan ... --out FILE`` (comma list of paths)."""
+    from . import amp
+
+    records = []
+    for path in str(data).split(","):
+        with open(path) as f:
+            records += [json.loads(line) for line in f if line.strip()]
+    groups = {}
+    for r in records:
+        groups.setdefault((r["activation"], float(r["alpha"])), []).append(r)
+    plt = _plt()
+    keys = sorted(groups)
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.4 * len(keys), 3.4), squeeze=False)
+    meta = []
+    for ax, key in zip(axes[0], keys):
+        act, alpha = key
+        rec0 = groups[key][0]
+        res = amp.finite_size_analysis(groups[key], alpha, rec0.get("rho", 0.5), rec0.get("tokens", 2), act,
+                                       rec0.get("beta", 1.0))
+        tab = res["table"]
+        x = np.array([1.0 / r["d"] for r in tab])
+        ax.errorbar(x, [r["mmse"] for r in tab], yerr=[r["mmse_sem"] for r in tab], fmt="o", ms=4,
+                    label="AMP (mean ± s.e.)")
+        xx = np.linspace(0.0, x.max() * 1.05, 100)
+        for name, style in (("order1", "-"), ("order2", ":")):
+            if name in res["fits"]:
+                f = res["fits"][name]
+                c = f["coef"]
+                yy = sum(ck * xx ** k for k, ck in enumerate(c))
+                ax.plot(xx, yy, style, lw=1, label=f"fit order {f['order']}: a = {c[0]:.4f} ± {f['coef_se'][0]:.4f}")
+        ax.plot([0.0], [res["mmse_se"]], "k*", ms=9, label=f"SE {res['mmse_se']:.4f}")
+        ax.set_xlabel("1 / d")
+        ax.set_ylabel("||S_hat - S||^2 / d")
+        ax.set_title(f"{act}, T = {res['tokens']}, rho = {res['rho']}, alpha = {alpha}", fontsize=8)
+        ax.set_xlim(left=0.0)
+        ax.legend(fontsize=6)
+        meta.append(res)
+    return _save(fig, out, "finite_size", meta)
+
+
 def fig_deep(out):
     """Two-layer AIM (softmax, T = 2, skip 1): per-layer mmse from the two-overlap SE."""
     from . import deep
