@@ -46,9 +46,14 @@ DEFAULT_NODES = {1: 80, 2: 48, 3: 20, 4: 12, 5: 7, 6: 5}
 # adaptive re-centring pays in one and two dimensions; in three and four the moment-matched
 # Gaussian of the (often multimodal) reduced posterior is a worse rule than the prior marginal
 DEFAULT_ADAPT = {1: 1, 2: 1}
-# polar rule (angle nodes per sector, radial nodes) for two-layer T = 2 models (see the driver);
-# about 1e-9 relative at moderate V (docs/denoiser.md)
-DEFAULT_POLAR = (18, 48)
+# polar rule for two-layer T = 2 models (see the driver): the mapped rule (sinh-graded angles
+# from each switching line, logarithmic radius, +-u symmetry) with (angle nodes per half
+# sector, radial nodes), or the earlier Gauss-Legendre rule (angle nodes per sector, radial nodes)
+DEFAULT_POLAR_MAP = "sinh"
+DEFAULT_POLAR = {"sinh": (10, 28), "legendre": (18, 48)}
+# mapped rule: angular layer scale eps = POLAR_KAPPA / (beta r^2), radial map r^2 = POLAR_CRAD (e^s - 1)
+POLAR_KAPPA = 2.0
+POLAR_CRAD = 1.0
 # radius of the polar disk in prior standard deviations of u (the mass outside is < e^{-36})
 POLAR_RADIUS = 8.5
 # Gauss-Hermite size tried first on polar models where the prior of u is narrow, and the
@@ -129,14 +134,17 @@ class Denoiser:
 
     def __init__(self, model, *, nodes: int | None = None, adapt: int | None = None, inflate: float = 1.0,
                  polar: tuple[int, int] | None | str = "auto", check_tol: float = GH_CHECK_TOL,
-                 tol: float | None | str = "auto"):
+                 tol: float | None | str = "auto", polar_map: str = DEFAULT_POLAR_MAP):
         # an explicit Gauss-Hermite size is a request for that rule (e.g. the solvers' fast
         # low-accuracy settings); the polar rule is the default only when neither is given
         defaults = nodes is None and isinstance(polar, str)
+        if polar_map not in DEFAULT_POLAR:
+            raise ChannelError("polar_map", f"must be one of {sorted(DEFAULT_POLAR)}; got {polar_map!r}")
+        self.polar_map = polar_map
         if isinstance(polar, str):
             if polar != "auto":
                 raise ChannelError("polar", f"must be (angle nodes, radial nodes), None or 'auto'; got {polar!r}")
-            polar = DEFAULT_POLAR if nodes is None else None
+            polar = DEFAULT_POLAR[polar_map] if nodes is None else None
         self.model = model
         self.kernels = model.kernels
         self.params = model.params_array()
@@ -184,20 +192,26 @@ class Denoiser:
     def accuracy(self) -> dict:
         return {"path": self.path, "integral_dim": self.dim, "nodes_per_dim": self.nodes,
                 "adapt": self.adapt, "inflate": self.inflate, "polar": self.polar,
+                "polar_map": self.polar_map if self.polar else None,
                 "polar_radius": POLAR_RADIUS if self.polar else None,
                 "gh_check_tol": self.check_tol if self.polar else None, "tol": self.tol}
 
     def _polar_tables(self, sizes):
-        """(cos, sin, log weight) of every angle node over the sectors, and the radial rule."""
+        """Legendre rule: (cos, sin, log weight) of every angle node over the sectors; both rules:
+        the radial Gauss-Legendre nodes and weights on [-1, 1]; mapped rule: the angle's
+        Gauss-Legendre nodes and weights on [-1, 1] (mapped per radius in the driver)."""
         th, w_th, rr, w_r = polar_rule(sizes)
+        e = np.zeros(0)
         if sizes is None:
-            return th, th, th, rr, w_r
+            return e, e, e, rr, w_r, e, e
+        if self.polar_map == "sinh":
+            return e, e, e, rr, w_r, th, w_th
         edges = np.asarray(self.kernels.POLAR_ANGLES)
         half = 0.5 * np.diff(edges)[:, None]
         ang = (0.5 * (edges[:-1] + edges[1:]))[:, None] + half * th[None, :]
         lw = np.log(half * w_th[None, :])
         return (np.ascontiguousarray(np.cos(ang).ravel()), np.ascontiguousarray(np.sin(ang).ravel()),
-                np.ascontiguousarray(lw.ravel()), rr, w_r)
+                np.ascontiguousarray(lw.ravel()), rr, w_r, e, e)
 
     def observe(self, y: np.ndarray) -> np.ndarray:
         """Observed reduced quantity (h for attention models, else y), with manifold checks."""
@@ -407,13 +421,13 @@ class Denoiser:
         dg = np.empty((n, p, T, p, T))
         extra = np.empty((n, 3))
         status = np.empty(n, dtype=np.int64)
-        (nodes, lw), (nk, lwk), (pc, ps, plw, rr, w_r) = rules
+        (nodes, lw), (nk, lwk), (pc, ps, plw, rr, w_r, xa, wa) = rules
         nc, lwc = self._rule_coarse
-        if not len(pc):  # no polar rule: no Gauss-Hermite check either
+        if not len(rr):  # no polar rule: no Gauss-Hermite check either
             nk, lwk = np.zeros((0, max(self.dim, 1))), np.zeros(0)
         self.kernels.denoise_batch(obs, omega, V, self.params, nodes, lw, nc, lwc, self.adapt, self.inflate,
-                                   pc, ps, plw, rr, w_r, POLAR_RADIUS, nk, lwk, self.check_tol,
-                                   g, dg, extra, status)
+                                   pc, ps, plw, rr, w_r, POLAR_RADIUS, self.polar_map == "sinh", xa, wa,
+                                   POLAR_KAPPA, POLAR_CRAD, nk, lwk, self.check_tol, g, dg, extra, status)
         self._raise(status)
         return g, dg, extra
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -70,13 +71,113 @@ def _cse_block(exprs: list[sp.Expr], indent: str = "    ", prefix: str = "x") ->
     return lines, [_code(e) for e in reduced]
 
 
+_SOFTMAX_NAME = re.compile(r"^(_S[0-9a-z]*)_(\d+)_(\d+)$")
+
+
+def _softmax_entry_args(e) -> list | None:
+    """Exponent arguments of a row-softmax entry 1 / (1 + sum_c exp(x_c)) (None if not of that form)."""
+    if not (e.is_Pow and e.exp == -1 and e.base.is_Add):
+        return None
+    args, one = [], 0
+    for t in e.base.args:
+        if t == 1:
+            one += 1
+        elif isinstance(t, sp.exp):
+            args.append(t.args[0])
+        else:
+            return None
+    return args if one == 1 else None
+
+
+def _softmax_rows(defs) -> dict:
+    """Row softmaxes among the program definitions (as written by ``symbolic.softmax_rows``):
+    {first entry's symbol: (entry symbols in column order, logits relative to column 0)}.
+    A row is recognised only if every entry b equals 1 / (1 + sum_{c != b} exp(r_c - r_b)) for
+    the same relative logits r (checked symbolically), so the rewrite is exact."""
+    groups: dict[tuple[str, int], dict[int, tuple]] = {}
+    for sym, e in defs:
+        mt = _SOFTMAX_NAME.match(sym.name)
+        if mt:
+            groups.setdefault((mt.group(1), int(mt.group(2))), {})[int(mt.group(3))] = (sym, e)
+    rows = {}
+    for _, ent in groups.items():
+        T = len(ent)
+        if T < 2 or sorted(ent) != list(range(T)):
+            continue
+        args0 = _softmax_entry_args(ent[0][1])
+        if args0 is None or len(args0) != T - 1:
+            continue
+        # relative logits r_c = A_c - A_0: the exponents of entry 0, matched to columns below
+        ok = True
+        rel = [sp.Integer(0)] * T
+        for b in range(1, T):
+            args = _softmax_entry_args(ent[b][1])
+            if args is None or len(args) != T - 1:
+                ok = False
+                break
+            # entry b contains exp(r_0 - r_b) = exp(-r_b)
+            cands = [a for a in args0 if any(sp.expand(a + x) == 0 for x in args)]
+            if len(cands) != 1:
+                ok = False
+                break
+            rel[b] = cands[0]
+        if not ok or len(set(rel)) != T:
+            continue
+        for b in range(T):
+            want = sorted((sp.srepr(sp.expand(rel[c] - rel[b])) for c in range(T) if c != b))
+            have = sorted(sp.srepr(sp.expand(a)) for a in _softmax_entry_args(ent[b][1]))
+            if want != have:
+                ok = False
+                break
+        if ok:
+            rows[ent[0][0]] = ([ent[b][0] for b in range(T)], rel)
+    return rows
+
+
+def _print_defs(defs, indent: str) -> list[str]:
+    """Print definitions; row softmaxes are computed stably with one exp per entry (one per row
+    for T = 2, via ``_softmax2``) instead of the T - 1 exps per entry of the symbolic form."""
+    rows = _softmax_rows(defs)
+    members = {s for syms, _ in rows.values() for s in syms[1:]}
+    lines = []
+    for sym, e in defs:
+        if sym in members:
+            continue
+        if sym in rows:
+            syms, rel = rows[sym]
+            names = [s.name for s in syms]
+            if len(syms) == 2:
+                lines.append(f"{indent}{names[0]}, {names[1]} = _softmax2({_code(rel[1])})")
+            else:
+                stem = names[0] + "_"
+                lines.append(f"{indent}{stem}r = ({', '.join(['0.0'] + [_code(r) for r in rel[1:]])})")
+                lines.append(f"{indent}{stem}m = max({stem}r)")
+                for c, nm in enumerate(names):
+                    lines.append(f"{indent}{nm} = math.exp({stem}r[{c}] - {stem}m)")
+                lines.append(f"{indent}{stem}s = 1.0 / ({' + '.join(names)})")
+                for nm in names:
+                    lines.append(f"{indent}{nm} *= {stem}s")
+            continue
+        lines.append(f"{indent}{sym.name} = {_code(e)}")
+    return lines
+
+
 def _program_block(d: Derivation, outputs: list, extra_defs=(), indent: str = "    ") -> tuple[list[str], list[str]]:
     """Print the program definitions ``outputs`` need, then cse the outputs themselves."""
     from .symbolic import Program
 
     prog = Program()
     prog.defs = list(d.program.defs) + list(extra_defs)
-    lines = [f"{indent}{sym.name} = {_code(e)}" for sym, e in prog.closure(outputs)]
+    closure = prog.closure(outputs)
+    # a recognised softmax row is printed whole: its other entries are needed with the first
+    need = {s for s, _ in closure}
+    rows = _softmax_rows(prog.defs)
+    for syms, _ in rows.values():
+        if any(s in need for s in syms):
+            need |= set(syms)
+    closure = [(s, e) for s, e in prog.defs if s in need] if rows else closure
+    closure = prog.closure([s for s, _ in closure]) if rows else closure
+    lines = _print_defs(closure, indent)
     cse_lines, reduced = _cse_block(outputs, indent)
     return lines + cse_lines, reduced
 
@@ -184,6 +285,36 @@ def _branch_kernel(d: Derivation) -> list[str]:
         lines.append(f"    r = obs[{i}] - ({e})")
         lines.append("    acc += r * r")
     lines.append(f"    return -0.5 * acc / Delta - {0.5 * len(d.link)} * math.log(2.0 * math.pi * Delta)")
+    return lines
+
+
+def _polar_kernels(spec: Spec, d: Derivation) -> list[str]:
+    """``polar_branch(u, obs, params, w) -> J``: for models with the polar rule (``POLAR_ANGLES``),
+    branch 0's solved row w (T) at the free indices u (branch 1 is -w) and the weight factor
+    J = exp(log J) = 1/|det M_{L-1}(u)| (linear: no log per node); ``polar_beta(params)``: the
+    first layer's inverse temperature (its logits are beta u_a u_b). Stubs for other models."""
+    red = d.reduction
+    lines = ["@njit(cache=True)", "def polar_beta(params):"]
+    if not _polar_angles(spec, d):
+        lines += ["    return math.nan", "", "", "@njit(cache=True)", "def polar_branch(u, obs, params, w):",
+                  "    return math.nan"]
+        return lines
+    from .symbolic import param_symbol
+
+    lines += _unpack_params(d)
+    lines.append(f"    return float({_code(param_symbol(spec.layers[0].beta))})")
+    lines += ["", "", "@njit(cache=True)", "def polar_branch(u, obs, params, w):",
+              '    """Branch 0 of the reduced posterior: w = solved row (branch 1: -w); returns 1/|det M|."""']
+    lines += _unpack(d, red.free, "u")
+    lines += [f"    {s.name} = obs[{i}]" for i, s in enumerate(red.obs)]
+    lines += _unpack_params(d)
+    jac = sp.exp(red.log_jacobian[0])
+    body, reduced = _program_block(d, list(red.branches[0]) + [jac])
+    lines += body
+    for j, (k, t) in enumerate(red.solved):
+        assert k == d.p - 1, "polar rule: the solved entries are the last layer's row"
+        lines.append(f"    w[{t}] = {reduced[j]}")
+    lines.append(f"    return {reduced[-1]}")
     return lines
 
 
@@ -302,8 +433,17 @@ def module_source(spec: Spec) -> str:
         "def _sign(x):",
         "    return 1.0 if x > 0.0 else (-1.0 if x < 0.0 else 0.0)",
         "",
+        "",
+        "@njit(cache=True)",
+        "def _softmax2(d):",
+        '    """Row softmax of the logits (0, d): one exp, no overflow."""',
+        "    e = math.exp(-abs(d))",
+        "    big = 1.0 / (1.0 + e)",
+        "    return (big, e * big) if d <= 0.0 else (e * big, big)",
+        "",
     ]
-    parts = [_link_kernel(d), _jacobian_kernel(d), _noise_kernel(d), _last_beta_kernel(d), _branch_kernel(d)]
+    parts = [_link_kernel(d), _jacobian_kernel(d), _noise_kernel(d), _last_beta_kernel(d), _branch_kernel(d),
+             _polar_kernels(spec, d)]
     hardmax_mixed = red is not None and red.kind == "hardmax-wedge-mixed"
     if hardmax_mixed:
         parts.append(_mixing_kernel(d))

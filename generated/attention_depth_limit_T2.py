@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: ca1478c005423335
-generator: 0.1.0+69d9de3358
+generator: 0.1.0+0e6dabdd99
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'ca1478c005423335'
-GENERATOR_VERSION = '0.1.0+69d9de3358'
+GENERATOR_VERSION = '0.1.0+0e6dabdd99'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2
@@ -62,6 +62,14 @@ def _heaviside(x):
 @njit(cache=True)
 def _sign(x):
     return 1.0 if x > 0.0 else (-1.0 if x < 0.0 else 0.0)
+
+
+@njit(cache=True)
+def _softmax2(d):
+    """Row softmax of the logits (0, d): one exp, no overflow."""
+    e = math.exp(-abs(d))
+    big = 1.0 / (1.0 + e)
+    return (big, e * big) if d <= 0.0 else (e * big, big)
 
 
 
@@ -667,10 +675,8 @@ def link(Z, params, out):
     _qout_1_0 = _M8_1_0*z_0_0 + _M8_1_1*z_0_1
     _Aout_0_0 = _qout_0_0**2
     _Aout_1_1 = _qout_1_0**2
-    _Sout_0_0 = 1/(math.exp(-_Aout_0_0 + _qout_0_0*_qout_1_0) + 1)
-    _Sout_0_1 = 1/(math.exp(_Aout_0_0 - _qout_0_0*_qout_1_0) + 1)
-    _Sout_1_0 = 1/(math.exp(_Aout_1_1 - _qout_0_0*_qout_1_0) + 1)
-    _Sout_1_1 = 1/(math.exp(-_Aout_1_1 + _qout_0_0*_qout_1_0) + 1)
+    _Sout_0_0, _Sout_0_1 = _softmax2(-_Aout_0_0 + _qout_0_0*_qout_1_0)
+    _Sout_1_0, _Sout_1_1 = _softmax2(_Aout_1_1 - _qout_0_0*_qout_1_0)
     out[0, 0] = _Sout_0_0
     out[0, 1] = _Sout_0_1
     out[1, 0] = _Sout_1_0
@@ -2765,10 +2771,8 @@ def branch(b, u, obs, params, z):
     _qout_1_0 = _M8_1_0*z_0_0 + _M8_1_1*z_0_1
     _Aout_0_0 = _qout_0_0**2
     _Aout_1_1 = _qout_1_0**2
-    _Sout_0_0 = 1/(math.exp(-_Aout_0_0 + _qout_0_0*_qout_1_0) + 1)
-    _Sout_0_1 = 1/(math.exp(_Aout_0_0 - _qout_0_0*_qout_1_0) + 1)
-    _Sout_1_0 = 1/(math.exp(_Aout_1_1 - _qout_0_0*_qout_1_0) + 1)
-    _Sout_1_1 = 1/(math.exp(-_Aout_1_1 + _qout_0_0*_qout_1_0) + 1)
+    _Sout_0_0, _Sout_0_1 = _softmax2(-_Aout_0_0 + _qout_0_0*_qout_1_0)
+    _Sout_1_0, _Sout_1_1 = _softmax2(_Aout_1_1 - _qout_0_0*_qout_1_0)
     Delta = noise_variance(params)
     acc = 0.0
     r = obs[0] - (_Sout_0_0)
@@ -2780,6 +2784,16 @@ def branch(b, u, obs, params, z):
     r = obs[3] - (_Sout_1_1)
     acc += r * r
     return -0.5 * acc / Delta - 2.0 * math.log(2.0 * math.pi * Delta)
+
+
+@njit(cache=True)
+def polar_beta(params):
+    return math.nan
+
+
+@njit(cache=True)
+def polar_branch(u, obs, params, w):
+    return math.nan
 
 
 # ============================================================================
@@ -3220,6 +3234,199 @@ def denoise_one_polar(obs, omega, V, params, pc, ps, plw, rr, w_r, kr, g_out, dg
 
 
 @njit(cache=True)
+def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, crad, g_out, dg_out, extra):
+    """Two free indices u = z_1 (layer 1 tied, rank one, T = 2): mapped polar rule (default).
+
+    Symmetry: the first layer's logits beta u_a u_b are even in u, so u and -u give the same
+    mixing matrix, the same solved row w and the same Jacobian: one ``polar_branch`` call
+    serves the four points (+-u, +-w), and only the half plane 0 <= theta <= pi is visited.
+
+    Radius: rho = r^2 = crad (e^s - 1), Gauss-Legendre in s on [0, log(1 + R^2 / crad)] (xr, wr
+    on [-1, 1]), R = polar_radius(omega, V, kr): summed over +-u the integrand is analytic in
+    rho, and the logits grow like rho, so a logarithmic grading resolves every scale.
+    Angle: sectors cut on the lines where the attention switches (POLAR_ANGLES in [0, pi]),
+    each split in halves; from each edge psi = eps sinh(tau) with eps = kappa / (beta r^2),
+    Gauss-Legendre in tau on [0, asinh(half width / eps)] (xa, wa on [-1, 1]): the logit of
+    the switching row is about beta r^2 psi, so its layer (width ~1/(beta r^2)) is resolved by
+    the same nodes at every radius (Elliott-Johnston sinh map)."""
+    nt = T
+    Vinv = np.empty((2, 2))
+    logdet_V = _precision(V, Vinv)
+    if logdet_V != logdet_V:
+        return STATUS_BAD_V
+    p00 = Vinv[0, 0]
+    p01 = Vinv[0, 1]
+    p11 = Vinv[1, 1]
+    diag = p01 == 0.0
+    o00 = omega[0, 0]
+    o01 = omega[0, 1]
+    o10 = omega[1, 0]
+    o11 = omega[1, 1]
+    R = polar_radius(omega, V, kr)
+    beta = abs(polar_beta(params))
+    Slog = math.log1p(R * R / crad)
+    n_edges = 0
+    for e in range(POLAR_ANGLES.shape[0]):
+        if POLAR_ANGLES[e] <= math.pi + 1e-12:
+            n_edges += 1
+    const = -0.5 * nt * (logdet_V + 2.0 * math.log(2.0 * math.pi))
+    u = np.empty(2)
+    w = np.empty(2)
+    M = -math.inf
+    # streamed sums (scaled by exp(-M)): S0, sum W^2, first moments of z - omega (row-major
+    # index k * T + t: 0, 1 = u; 2, 3 = w), second moments (lower triangle)
+    s0 = 0.0
+    sw2 = 0.0
+    m0 = 0.0
+    m1 = 0.0
+    m2 = 0.0
+    m3 = 0.0
+    c00 = 0.0
+    c10 = 0.0
+    c11 = 0.0
+    c20 = 0.0
+    c21 = 0.0
+    c22 = 0.0
+    c30 = 0.0
+    c31 = 0.0
+    c32 = 0.0
+    c33 = 0.0
+    for j in range(xr.shape[0]):
+        sj = 0.5 * Slog * (xr[j] + 1.0)
+        esj = math.exp(sj)
+        rho = crad * math.expm1(sj)
+        r = math.sqrt(rho)
+        wrad = 0.25 * Slog * wr[j] * crad * esj  # d(r^2) / 2 = r dr
+        eps = kappa / (beta * rho) if beta > 0.0 else math.inf
+        for e in range(n_edges - 1):
+            ta = POLAR_ANGLES[e]
+            tb = POLAR_ANGLES[e + 1]
+            half = 0.5 * (tb - ta)
+            Tm = math.asinh(half / eps) if eps < math.inf else 0.0
+            ca = math.cos(ta)
+            sa = math.sin(ta)
+            cb = math.cos(tb)
+            sb = math.sin(tb)
+            for k in range(xa.shape[0]):
+                if eps < math.inf:
+                    em = math.expm1(0.5 * Tm * (xa[k] + 1.0))  # sinh, cosh without cancellation
+                    psi = eps * em * (2.0 + em) / (2.0 * (1.0 + em))
+                    wpsi = eps * (1.0 + em * em / (2.0 * (1.0 + em))) * 0.5 * Tm * wa[k]
+                else:
+                    psi = 0.5 * half * (xa[k] + 1.0)
+                    wpsi = 0.5 * half * wa[k]
+                cp = math.cos(psi)
+                sp_ = math.sin(psi)
+                for side in range(2):
+                    if side == 0:  # theta = ta + psi
+                        u[0] = r * (ca * cp - sa * sp_)
+                        u[1] = r * (sa * cp + ca * sp_)
+                    else:  # theta = tb - psi
+                        u[0] = r * (cb * cp + sb * sp_)
+                        u[1] = r * (sb * cp - cb * sp_)
+                    J = polar_branch(u, obs, params, w)
+                    if not (0.0 <= J < math.inf):  # det M = 0: a null set (skip c = 0)
+                        continue
+                    base = wrad * wpsi * J
+                    # z = (sg u, sw w): quadratic form of each of the four sign pairs
+                    dp0 = u[0] - o00
+                    dp1 = u[1] - o01
+                    dm0 = -u[0] - o00
+                    dm1 = -u[1] - o01
+                    ep0 = w[0] - o10
+                    ep1 = w[1] - o11
+                    em0 = -w[0] - o10
+                    em1 = -w[1] - o11
+                    qup = p00 * (dp0 * dp0 + dp1 * dp1)
+                    qum = p00 * (dm0 * dm0 + dm1 * dm1)
+                    qwp = p11 * (ep0 * ep0 + ep1 * ep1)
+                    qwm = p11 * (em0 * em0 + em1 * em1)
+                    lpp = -0.5 * (qup + qwp) - p01 * (dp0 * ep0 + dp1 * ep1)
+                    lpm = -0.5 * (qup + qwm) - p01 * (dp0 * em0 + dp1 * em1)
+                    lmp = -0.5 * (qum + qwp) - p01 * (dm0 * ep0 + dm1 * ep1)
+                    lmm = -0.5 * (qum + qwm) - p01 * (dm0 * em0 + dm1 * em1)
+                    lmax = max(max(lpp, lpm), max(lmp, lmm))
+                    if lmax != lmax:
+                        return STATUS_NOT_FINITE
+                    if lmax > M:
+                        sc = math.exp(M - lmax) if M > -math.inf else 0.0
+                        M = lmax
+                        s0 *= sc
+                        sw2 *= sc * sc
+                        m0 *= sc
+                        m1 *= sc
+                        m2 *= sc
+                        m3 *= sc
+                        c00 *= sc
+                        c10 *= sc
+                        c11 *= sc
+                        c20 *= sc
+                        c21 *= sc
+                        c22 *= sc
+                        c30 *= sc
+                        c31 *= sc
+                        c32 *= sc
+                        c33 *= sc
+                    # four weights: per u-sign the larger one and exp(-difference) for the other
+                    # (the difference does not depend on the u-sign when V is diagonal: 3 exps)
+                    dlp = lpp - lpm
+                    dlm = lmp - lmm
+                    ep = math.exp(-abs(dlp))
+                    em_ = ep if diag else math.exp(-abs(dlm))
+                    hp = base * math.exp(max(lpp, lpm) - M)
+                    hm = base * math.exp(max(lmp, lmm) - M)
+                    if dlp >= 0.0:
+                        wpp = hp
+                        wpm = hp * ep
+                    else:
+                        wpm = hp
+                        wpp = hp * ep
+                    if dlm >= 0.0:
+                        wmp = hm
+                        wmm = hm * em_
+                    else:
+                        wmm = hm
+                        wmp = hm * em_
+                    wp_ = wpp + wpm  # u-sign +, both w-signs
+                    wm_ = wmp + wmm
+                    w_p = wpp + wmp  # w-sign +, both u-signs
+                    w_m = wpm + wmm
+                    s0 += wp_ + wm_
+                    sw2 += wpp * wpp + wpm * wpm + wmp * wmp + wmm * wmm
+                    m0 += wp_ * dp0 + wm_ * dm0
+                    m1 += wp_ * dp1 + wm_ * dm1
+                    m2 += w_p * ep0 + w_m * em0
+                    m3 += w_p * ep1 + w_m * em1
+                    c00 += wp_ * dp0 * dp0 + wm_ * dm0 * dm0
+                    c10 += wp_ * dp1 * dp0 + wm_ * dm1 * dm0
+                    c11 += wp_ * dp1 * dp1 + wm_ * dm1 * dm1
+                    c22 += w_p * ep0 * ep0 + w_m * em0 * em0
+                    c32 += w_p * ep1 * ep0 + w_m * em1 * em0
+                    c33 += w_p * ep1 * ep1 + w_m * em1 * em1
+                    fp0 = wpp * ep0 + wpm * em0  # sum over w-signs, u-sign +
+                    fp1 = wpp * ep1 + wpm * em1
+                    fm0 = wmp * ep0 + wmm * em0
+                    fm1 = wmp * ep1 + wmm * em1
+                    c20 += fp0 * dp0 + fm0 * dm0
+                    c21 += fp0 * dp1 + fm0 * dm1
+                    c30 += fp1 * dp0 + fm1 * dm0
+                    c31 += fp1 * dp1 + fm1 * dm1
+    S1 = np.array([m0, m1, m2, m3])
+    S2 = np.zeros((4, 4))
+    S2[0, 0] = c00
+    S2[1, 0] = c10
+    S2[1, 1] = c11
+    S2[2, 0] = c20
+    S2[2, 1] = c21
+    S2[2, 2] = c22
+    S2[3, 0] = c30
+    S2[3, 1] = c31
+    S2[3, 2] = c32
+    S2[3, 3] = c33
+    return _finish(M + const, s0, sw2, S1, S2, Vinv, g_out, dg_out, extra)
+
+
+@njit(cache=True)
 def gh_plausible(omega, V):
     """Cheap screen for the Gauss-Hermite path of polar models: the prior of u is narrow next to
     the width ~1/|u| of the first layer's attention switch, so the reduced integrand is smooth on
@@ -3253,18 +3460,18 @@ def _rel_diff(g1, dg1, e1, g2, dg2, e2):
 
 @njit(cache=True, parallel=True)
 def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
-                  pc, ps, plw, rr, w_r, kr, nodes_k, log_w_k, check_tol,
+                  pc, ps, plw, rr, w_r, kr, mapped, xa, wa, kappa, crad, nodes_k, log_w_k, check_tol,
                   g_out, dg_out, extra, status):
     """Batch over the leading axis; V has leading size 1 (shared) or N.
 
-    Models with POLAR_ANGLES (and a polar rule given, pc non-empty): where ``gh_plausible``,
+    Models with POLAR_ANGLES (and a polar rule given, rr non-empty): where ``gh_plausible``,
     the adaptive Gauss-Hermite rule is tried first and kept if it agrees with the smaller rule
     (nodes_k) to check_tol (extra[i, 2] = that difference, else NaN); otherwise, and everywhere
     else, the polar rule. extra[i, 1] is the effective number of nodes, negative where the polar
     rule was used."""
     n = omega.shape[0]
     shared = V.shape[0] == 1
-    use_polar = POLAR_ANGLES.shape[0] > 0 and pc.shape[0] > 0
+    use_polar = POLAR_ANGLES.shape[0] > 0 and rr.shape[0] > 0
     for i in prange(n):
         Vi = V[0] if shared else V[i]
         extra[i, 2] = math.nan
@@ -3284,8 +3491,12 @@ def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt
                             extra[i, 2] = d
                             status[i] = STATUS_OK
                             continue
-            status[i] = denoise_one_polar(obs[i], omega[i], Vi, params, pc, ps, plw, rr, w_r, kr,
-                                          g_out[i], dg_out[i], extra[i])
+            if mapped:
+                status[i] = denoise_one_polar_mapped(obs[i], omega[i], Vi, params, xa, wa, rr, w_r, kr, kappa, crad,
+                                                     g_out[i], dg_out[i], extra[i])
+            else:
+                status[i] = denoise_one_polar(obs[i], omega[i], Vi, params, pc, ps, plw, rr, w_r, kr,
+                                              g_out[i], dg_out[i], extra[i])
             extra[i, 1] = -extra[i, 1]  # negative ess marks the polar rule
             continue
         status[i] = denoise_one(obs[i], omega[i], Vi, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
