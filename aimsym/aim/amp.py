@@ -46,6 +46,8 @@ class AIMData:
     rho: float  # r / d actually used
     alpha: float
     seed: int | None
+    prior: str = "mp"  # "mp": S = W W^T / sqrt(r d); "gaussian": S = sqrt(rho) I + GOE (a check, see run)
+    sensing: str = "rank1"  # "rank1": X holds the tokens; "goe": X holds dense (n, L, d, d) GOE matrices
 
 
 def check_size(d, alpha, rho):
@@ -77,15 +79,97 @@ def index_matrices(S, X):
     return H / np.sqrt(d)
 
 
-def generate(d, alpha, rho, tokens=2, activation="softmax", beta=1.0, seed=0) -> AIMData:
-    """AIM data with an explicit numpy Generator seed."""
+def generate(d, alpha, rho, tokens=2, activation="softmax", beta=1.0, seed=0, prior="mp",
+             sensing="rank1") -> AIMData:
+    """AIM data with an explicit numpy Generator seed.
+
+    Two checks beyond the model (docs/aim.md section 4): ``prior="gaussian"`` draws
+    S = sqrt(rho) I + GOE (off-diagonal variance 1/d, diagonal 2/d; same mean and Q0 = 1 + rho as the
+    model), for which ``run`` uses the exact Gaussian denoiser and the finite-d Bayes estimator is
+    known (``gaussian_posterior_mean``); ``sensing="goe"`` replaces the rank-one sensing matrices by
+    independent GOE matrices with the same second moments (E<Z_k, M>^2 = w_k Tr M^2 / d), stored
+    densely (n, L, d, d): small d only."""
     d, n = check_size(d, alpha, rho)
+    if prior not in ("mp", "gaussian"):
+        raise AimsymError("prior", f"must be 'mp' or 'gaussian', got {prior!r}")
+    if sensing not in ("rank1", "goe"):
+        raise AimsymError("sensing", f"must be 'rank1' or 'goe', got {sensing!r}")
     rng = np.random.default_rng(seed)
     ch = make_channel(activation, tokens, beta)
-    S, rho_eff = teacher(d, rho, rng)
-    X = rng.standard_normal((n, d, ch.tokens))
-    y = ch.sample(index_matrices(S, X))
-    return AIMData(X, y, S, rho_eff, alpha, seed)
+    if prior == "mp":
+        S, rho_eff = teacher(d, rho, rng)
+    else:
+        A = rng.standard_normal((d, d))
+        S, rho_eff = np.sqrt(rho) * np.eye(d) + (A + A.T) / np.sqrt(2 * d), float(rho)
+    if sensing == "rank1":
+        X = rng.standard_normal((n, d, ch.tokens))
+    else:
+        L = len(pairs(ch.tokens))
+        if n * L * d * d > 5e7:
+            raise AimsymError("d", f"GOE sensing stores n L d^2 = {n * L * d * d:.2g} numbers (limit 5e7)")
+        w = entry_weights(ch.tokens)
+        A = rng.standard_normal((n, L, d, d))
+        X = (A + A.transpose(0, 1, 3, 2)) * (0.5 * np.sqrt(w / d))[None, :, None, None]
+    data = AIMData(X, None, S, rho_eff, alpha, seed, prior, sensing)
+    data.y = ch.sample(_index(data, S, ch.tokens))
+    return data
+
+
+def _index(data, M, tokens):
+    """Index matrices (n, T, T) of the matrix M for the data's sensing matrices."""
+    if data.sensing == "rank1":
+        return index_matrices(M, data.X)
+    h = np.einsum("nkij,ij->nk", data.X, M, optimize=True)
+    H = np.empty((h.shape[0], tokens, tokens))
+    for k, (a, b) in enumerate(pairs(tokens)):
+        H[:, a, b] = H[:, b, a] = h[:, k]
+    return H
+
+
+def _adjoint(data, G_vec, tokens):
+    if data.sensing == "rank1":
+        return adjoint(data.X, G_vec, tokens)
+    return np.einsum("nk,nkij->ij", G_vec, data.X, optimize=True)
+
+
+def gaussian_denoise(R, rho, Delta, with_variance=False):
+    """Exact posterior mean for the prior S = sqrt(rho) I + GOE observed as R = S + sqrt(Delta) GOE
+    (linear shrinkage), with the variance 2 Delta div / d^2 = Delta (d + 1) / (d (1 + Delta))."""
+    d = R.shape[0]
+    mu = np.sqrt(rho) * np.eye(d)
+    S_hat = mu + (R - mu) / (1.0 + Delta)
+    return (S_hat, Delta * (d + 1) / (d * (1.0 + Delta))) if with_variance else S_hat
+
+
+def gaussian_posterior_mean(data, beta=1.0):
+    """Exact finite-d Bayes estimator for ``prior="gaussian"``, rank-one sensing, softmax T = 2: the
+    labels reveal u = (h11 - h12, h22 - h12) exactly, i.e. 2n linear functionals <B, S> with
+    B1 = X11 - X12, B2 = X22 - X12; the prior is isotropic in the Frobenius metric, so the posterior
+    mean is the projection sqrt(rho) I + sum c B with Gram c = u - <B, sqrt(rho) I> (Gram from the
+    token inner products across samples, 2n x 2n). Its expected error is exactly
+    (d(d+1)/2 - 2n) * 2 / d^2 = 1 + 1/d - 4 alpha (for 2n <= d(d+1)/2)."""
+    if data.prior != "gaussian" or data.sensing != "rank1" or data.X.shape[2] != 2:
+        raise AimsymError("data", "needs prior='gaussian', rank-one sensing and tokens = 2")
+    X = data.X
+    n, d, _ = X.shape
+    x1, x2 = X[:, :, 0], X[:, :, 1]
+    K11, K22, K12, K21 = x1 @ x1.T, x2 @ x2.T, x1 @ x2.T, x2 @ x1.T  # K12[m, l] = x1^m . x2^l
+    n1, n2, c12 = np.diag(K11), np.diag(K22), np.einsum("ni,ni->n", x1, x2)
+    # <X_aa^m, X_bb^l> = ((x_a^m . x_b^l)^2 - |x_a^m|^2 - |x_b^l|^2 + d) / d
+    D11 = (K11 ** 2 - n1[:, None] - n1[None, :] + d) / d
+    D22 = (K22 ** 2 - n2[:, None] - n2[None, :] + d) / d
+    D12 = (K12 ** 2 - n1[:, None] - n2[None, :] + d) / d
+    # <X_aa^m, X_12^l> = ((x_a^m . x1^l)(x_a^m . x2^l) - x1^l . x2^l) / d
+    A1 = (K11 * K12 - c12[None, :]) / d
+    A2 = (K21 * K22 - c12[None, :]) / d
+    O = (K11 * K22 + K12 * K21) / (2 * d)  # <X_12^m, X_12^l>
+    G = np.block([[D11 - A1 - A1.T + O, D12 - A1 - A2.T + O], [(D12 - A1 - A2.T + O).T, D22 - A2 - A2.T + O]])
+    h0, _ = make_channel("softmax", 2, beta).recover(data.y)  # unique entries (h11, h12, h22) up to a shift
+    u = np.concatenate([h0[:, 0] - h0[:, 1], h0[:, 2] - h0[:, 1]])
+    mu = np.sqrt(data.rho)
+    uI = np.concatenate([n1 - d - c12, n2 - d - c12]) / np.sqrt(d)
+    c = np.linalg.solve(G, u - mu * uI)
+    return mu * np.eye(d) + adjoint(X, np.stack([c[:n], -(c[:n] + c[n:]), c[n:]], axis=1), 2)
 
 
 def adjoint(X, G_vec, tokens):
@@ -298,6 +382,8 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
         raise AimsymError("damping", f"must lie in [0, 1), got {damping}")
     ch = make_channel(activation, tokens, beta)
     T = ch.tokens
+    if onsager == "exact" and (data.prior != "mp" or data.sensing != "rank1"):
+        raise AimsymError("onsager", "the exact form needs the model's data (prior='mp', sensing='rank1')")
     rho = data.rho if rho is None else float(rho)
     X, y, S = data.X, data.y, data.S
     d = S.shape[0]
@@ -330,12 +416,12 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
             g, dg = _joint_output(ch, y, h0, null, omega, Sigma)
             A = -np.einsum("nkl,nkl->", G, dg) / N if np.all(np.isfinite(dg)) else np.nan
         else:
-            omega = to_vector(index_matrices(S_hat, X), T) - w * V * g_prev
+            omega = to_vector(_index(data, S_hat, T), T) - w * V * g_prev
             g, dg = ch.denoise(y, omega, V)
             A = -np.sum(dg * w) / d if np.all(np.isfinite(dg)) else np.nan
         ok = np.isfinite(A) and A > 0 and np.all(np.isfinite(g))
         if ok:
-            R = S_hat + adjoint(X, g, T) / A
+            R = S_hat + _adjoint(data, g, T) / A
             Delta = d / (2.0 * A)
             power = float(np.sum(R * R) / d) - (Q0 + 1.0 / d)
             # the first steps from the prior mean overshoot transiently (ratio up to ~2)
@@ -372,7 +458,9 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
             last = (S_hat, (V, Sigma), g_prev, S_new, (V_new, Sigma_new), g)
             Sigma = (1.0 - damping) * Sigma_new + damping * Sigma
         else:
-            if variance == "divergence":
+            if data.prior == "gaussian":
+                S_new, V_new = gaussian_denoise(R, rho, Delta, with_variance=True)
+            elif variance == "divergence":
                 S_new, V_new = rie_denoise(R, rho, Delta, with_variance=True)
             else:
                 S_new, V_new = rie_denoise(R, rho, Delta), rie_mmse(Delta, rho)
@@ -485,15 +573,20 @@ def finite_size_table(records):
     return rows
 
 
-def finite_size_analysis(records, alpha, rho=0.5, tokens=2, activation="softmax", beta=1.0):
-    """Table per d, fits a + b/d and a + b/d + c/d^2, the SE value and z = (a - SE)/se(a)."""
+def finite_size_analysis(records, alpha, rho=0.5, tokens=2, activation="softmax", beta=1.0, prior="mp"):
+    """Table per d, fits a + b/d and a + b/d + c/d^2, the SE value and z = (a - SE)/se(a).
+    ``prior="gaussian"`` (softmax): the SE is max(0, 1 - c_T alpha) (Gaussian prior, m = Delta/(1 + Delta))."""
     from . import se
+    from .channels import counting_constant
 
     rows = finite_size_table(records)
     d = [r["d"] for r in rows]
     m = [r["mmse"] for r in rows]
     s = [r["mmse_sem"] for r in rows]
-    m_se = se.solve(alpha, rho, tokens, activation, beta).mmse
+    if prior == "gaussian":
+        m_se = max(0.0, 1.0 - counting_constant(tokens, activation) * alpha)
+    else:
+        m_se = se.solve(alpha, rho, tokens, activation, beta).mmse
     fits = {}
     for order in (1, 2):
         if len(rows) >= order + 2:
@@ -506,7 +599,7 @@ def finite_size_analysis(records, alpha, rho=0.5, tokens=2, activation="softmax"
 
 
 def finite_size_series(alpha, rho=0.5, plan=((60, 8), (100, 8)), tokens=2, activation="softmax", beta=1.0,
-                       iterations=120, damping=None, out=None):
+                       iterations=120, damping=None, out=None, prior="mp", sensing="rank1"):
     """Run GAMP-RIE (isotropic form) for every (d, number of seeds) in ``plan``, seeds 0..k-1, and
     return per-seed records (d, seed, final mmse, unstable flag, CPU seconds). ``out``: a path to
     append one JSON line per run (a series can then be analysed while it runs, or resumed: runs
@@ -519,22 +612,24 @@ def finite_size_series(alpha, rho=0.5, plan=((60, 8), (100, 8)), tokens=2, activ
             with open(out) as f:
                 for line in f:
                     r = json.loads(line)
-                    key = (r["activation"], r["alpha"], r["d"], r["seed"])
+                    key = (r["activation"], r["alpha"], r.get("prior", "mp"), r.get("sensing", "rank1"),
+                           r["d"], r["seed"])
                     done[key] = r
         except FileNotFoundError:
             pass
     records = []
     for d, n_seeds in plan:
         for seed in range(int(n_seeds)):
-            key = (activation, float(alpha), int(d), seed)
+            key = (activation, float(alpha), prior, sensing, int(d), seed)
             if key in done:
                 records.append(done[key])
                 continue
             t = time.process_time()
-            data = generate(d, alpha, rho, tokens, activation, beta, seed=seed)
+            data = generate(d, alpha, rho, tokens, activation, beta, seed=seed, prior=prior, sensing=sensing)
             res = run(data, tokens, activation, beta, iterations=iterations, damping=damping)
             rec = {"activation": activation, "alpha": float(alpha), "rho": float(rho), "tokens": int(tokens),
-                   "beta": float(beta), "d": int(d), "seed": seed, "mmse": res["mmse"],
+                   "beta": float(beta), "prior": prior, "sensing": sensing, "d": int(d), "seed": seed,
+                   "mmse": res["mmse"],
                    "unstable": bool(res["unstable"]), "iterations": res["iterations"],
                    "cpu_seconds": time.process_time() - t}
             records.append(rec)
@@ -542,6 +637,40 @@ def finite_size_series(alpha, rho=0.5, plan=((60, 8), (100, 8)), tokens=2, activ
                 with open(out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
     return records
+
+
+def rie_finite_size(Delta, rho, d, samples, seed=0):
+    """Finite-d error of the prior (RIE) step alone: R = S + sqrt(Delta) GOE at size d (S the
+    finite-d teacher), E ||RIE(R) - S||^2 / d over ``samples`` draws, against m(Delta).
+    Returns mean, sem and kappa = d (mean / m - 1) with its standard error: the prior step's relative
+    finite-size excess is kappa / d (for a Gaussian prior kappa = 1 exactly, from the d diagonal
+    coordinates of variance 2/d: d(d+1)/2 parameters instead of d^2/2)."""
+    rng = np.random.default_rng(seed)
+    m = rie_mmse(Delta, rho)
+    e = np.empty(int(samples))
+    for i in range(len(e)):
+        S, _ = teacher(d, rho, rng)
+        A = rng.standard_normal((d, d))
+        R = S + np.sqrt(Delta) * (A + A.T) / np.sqrt(2 * d)
+        e[i] = np.sum((rie_denoise(R, rho, Delta) - S) ** 2) / d
+    sem = float(e.std(ddof=1) / np.sqrt(len(e)))
+    return {"d": int(d), "samples": len(e), "Delta": float(Delta), "m": m, "mmse": float(e.mean()),
+            "mmse_sem": sem, "kappa": float((e.mean() / m - 1) * d), "kappa_sem": sem / m * d}
+
+
+def se_amplification(alpha, rho=0.5, tokens=2):
+    """Softmax/linear SE: a relative perturbation eps of the prior step, mmse = (1 + eps) m(Delta),
+    Delta = mmse / (c alpha), moves the fixed point by the relative amount eps / (1 - f'),
+    f' = d log m / d log Delta at the fixed point. Returns (Delta*, f', 1 / (1 - f')). So a prior
+    step with relative finite-size excess kappa / d predicts an AMP slope b / SE = kappa / (1 - f')."""
+    from . import se
+    from .channels import counting_constant
+
+    M = se.solve(alpha, rho, tokens, "softmax").mmse
+    Delta = M / (counting_constant(tokens, "softmax") * alpha)
+    h = 1e-4
+    fp = (np.log(rie_mmse(Delta * np.exp(h), rho)) - np.log(rie_mmse(Delta * np.exp(-h), rho))) / (2 * h)
+    return float(Delta), float(fp), float(1.0 / (1.0 - fp))
 
 
 def _main(argv=None):
@@ -559,13 +688,17 @@ def _main(argv=None):
     p.add_argument("--plan", required=True, help="comma list of DxSEEDS, e.g. 60x48,100x32,150x24")
     p.add_argument("--iterations", type=int, default=120)
     p.add_argument("--out", default=None, help="JSON-lines file of per-seed results (appended, resumable)")
+    p.add_argument("--prior", default="mp", choices=("mp", "gaussian"), help="gaussian: S = sqrt(rho) I + GOE (check)")
+    p.add_argument("--sensing", default="rank1", choices=("rank1", "goe"), help="goe: dense GOE sensing (check)")
     a = p.parse_args(argv)
     try:
         plan = [tuple(int(v) for v in item.split("x")) for item in a.plan.split(",")]
     except ValueError:
         raise SystemExit("plan: expected a comma list of DxSEEDS, e.g. 60x48,100x32")
-    recs = finite_size_series(a.alpha, a.rho, plan, a.tokens, a.activation, a.beta, a.iterations, out=a.out)
-    res = finite_size_analysis(recs, a.alpha, a.rho, a.tokens, a.activation, a.beta)
+    recs = finite_size_series(a.alpha, a.rho, plan, a.tokens, a.activation, a.beta, a.iterations, out=a.out,
+                              prior=a.prior, sensing=a.sensing)
+    res = finite_size_analysis(recs, a.alpha, a.rho, a.tokens, a.activation, a.beta, prior=a.prior)
+    res["prior"], res["sensing"] = a.prior, a.sensing
     res["provenance"] = provenance(seed="0..k-1 per d", accuracy={"iterations": a.iterations, "plan": a.plan})
     print(json.dumps(res, default=float))
 
