@@ -45,8 +45,9 @@ def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title:
 
 
 def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None = None):
-    """points: {"skip", "alpha", "stderr", "step"[, "subspace"]}; thresholds vs skip with the 1/6
-    bound, learning phases shaded (nothing / last layer / all layers for two layers)."""
+    """points: {"skip", "alpha", "stderr", "step"[, "subspace", "jump"]}; thresholds vs skip with the
+    1/6 bound, learning phases shaded (nothing / last layer / all layers for two layers); roots at a
+    jump of the restricted branch are circled."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     steps = sorted({p["step"] for p in points})
@@ -58,7 +59,11 @@ def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None 
             f": layer{'s' if len(sub) > 1 else ''} {', '.join(str(i + 1) for i in sub)}" if sub else ""))
         x = np.array([p["skip"] for p in pts])
         y = np.array([p["alpha"] for p in pts])
-        ax.errorbar(x, y, yerr=[p["stderr"] for p in pts], marker="o", ms=3, capsize=2, label=lab)
+        line = ax.errorbar(x, y, yerr=[p["stderr"] for p in pts], marker="o", ms=3, capsize=2, label=lab)
+        jumps = [p for p in pts if p.get("jump")]
+        if jumps:  # root at a first-order jump of the restricted branch, not a linear-stability root
+            ax.plot([p["skip"] for p in jumps], [p["alpha"] for p in jumps], "o", ms=7, mfc="none",
+                    color=line[0].get_color(), label=f"{lab}: at a jump of the branch")
         curves.append((x, y))
     if curves:
         top = max(c[1].max() for c in curves) * 1.15

@@ -76,9 +76,10 @@ def cone_spectral_radius(F: np.ndarray, n: int, *, tol: float = 1e-13, max_iter:
 
 
 # ----------------------------------------------------------------------------- evaluation
-def operator_blocks(ch: Channel, Q: np.ndarray, block) -> np.ndarray:
-    """D_ts on ``block`` at SE overlap Q for every point: (R, n, T, T, k, k)."""
-    out, R, n = ch.denoise(Q)
+def operator_blocks(ch: Channel, Q: np.ndarray, block, denoised=None) -> np.ndarray:
+    """D_ts on ``block`` at SE overlap Q for every point: (R, n, T, T, k, k). ``denoised``: the
+    result of ``ch.denoise(Q)`` if already computed."""
+    out, R, n = denoised if denoised is not None else ch.denoise(Q)
     P = np.asarray(block)
     dg = out.dg_out[:, P][:, :, :, P]  # (N, k, T, k, T)
     D = np.transpose(dg, (0, 2, 4, 1, 3))  # (N, t, s, k, k')
@@ -87,17 +88,23 @@ def operator_blocks(ch: Channel, Q: np.ndarray, block) -> np.ndarray:
     return D.reshape(R, n, *D.shape[1:])
 
 
-def operator(ch: Channel, Q: np.ndarray, block) -> dict:
-    """F (mean, stderr per entry), rho, alpha_c = 1/rho with jackknife stderr, direction."""
-    D = operator_blocks(ch, Q, block)
+def operator(ch: Channel, Q: np.ndarray, block, denoised=None) -> dict:
+    """F (mean, stderr per entry), rho, alpha_c = 1/rho with jackknife stderr, direction;
+    ``rho_loo``: rho of the leave-one-replica-out means (for jackknifing derived quantities)."""
+    D = operator_blocks(ch, Q, block, denoised)
     R, k = D.shape[0], D.shape[-1]
     Fr = np.stack([operator_matrix(D[r]) for r in range(R)])
     F = Fr.mean(axis=0)
     rho, M = cone_spectral_radius(F, k)
     loo = np.array([cone_spectral_radius((F * R - Fr[r]) / (R - 1), k)[0] for r in range(R)])
-    rho_se = float(np.sqrt((R - 1) / R * np.sum((loo - loo.mean()) ** 2)))
-    return {"F": F, "F_stderr": Fr.std(axis=0, ddof=1) / np.sqrt(R), "rho": float(rho), "rho_stderr": rho_se,
-            "direction": M, "block": [int(i) for i in block]}
+    return {"F": F, "F_stderr": Fr.std(axis=0, ddof=1) / np.sqrt(R), "rho": float(rho),
+            "rho_stderr": jackknife_stderr(loo), "rho_loo": loo, "direction": M, "block": [int(i) for i in block]}
+
+
+def jackknife_stderr(loo: np.ndarray) -> float:
+    """Standard error from leave-one-out values."""
+    R = len(loo)
+    return float(np.sqrt((R - 1) / R * np.sum((loo - loo.mean()) ** 2)))
 
 
 def direction_support(M: np.ndarray, block, rel: float = 0.05) -> list[int]:
@@ -190,16 +197,146 @@ def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se:
     return th
 
 
+# ----------------------------------------------------------------------------- scalar branch
+# When the learned block U is a single index k (the last layer of the attention models), the
+# restricted SE is scalar: q = a e(q) / (1 + a e(q)), e(q) = E[sum_t g_out[k, t]^2] at
+# Q = q e_k e_k^T, and e(q) does not depend on alpha. So q is a fixed point exactly at
+#
+#     alpha(q) = q / ((1 - q) e(q)),
+#
+# and the branch is parametric in q: no SE iteration. An uninformed start grows until the first q
+# with alpha(q) >= alpha (the map is increasing in q), so the branch is the set of records (running
+# maxima) of alpha(q) from q = 0+; a local maximum followed by a dip is a first-order jump of the
+# branch. One denoiser pass at Q gives both alpha(q) and the stability operator on the rest P.
+
+BRANCH_S0 = 0.05  # first point of the walk in s = -log(1 - q) (q = 0.049)
+BRANCH_STEP = 0.4  # step in s (1 - q shrinks by a factor 0.67 per step)
+BRANCH_S_MAX = 9.2  # last point: 1 - q = 1e-4
+
+
+def branch_point(ch: Channel, k: int, P, q: float) -> dict:
+    """alpha(q) of the scalar restricted branch and the operator on P at Q = q e_k e_k^T, with their
+    leave-one-replica-out values; f = alpha rho - 1 (>= 0: P is unstable on the branch at q)."""
+    p = ch.p
+    Q = np.zeros((p, p))
+    Q[k, k] = q
+    den = ch.denoise(Q)
+    out, R, n = den
+    g = out.g_out.reshape(R, n, p, ch.T)[:, :, k]
+    e_r = np.einsum("rnt,rnt->r", g, g) / n
+    if not (np.all(np.isfinite(e_r)) and np.all(e_r > 0)):
+        raise AimsymError("Q_hat", f"E[g_out^2] on the learned index is not finite and positive at q = {q:.6g}; "
+                                   "raise nodes or samples")
+    e_loo = (e_r.sum() - e_r) / (R - 1)
+    op = operator(ch, Q, P, den)
+    a = q / ((1.0 - q) * e_r.mean())
+    a_loo = q / ((1.0 - q) * e_loo)
+    return {"q": q, "alpha": float(a), "alpha_loo": a_loo, "op": op, "f": float(a * op["rho"] - 1.0),
+            "f_loo": a_loo * op["rho_loo"] - 1.0, "Q": Q}
+
+
+def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alpha_max: float = 20.0,
+                          xtol: float = 1e-4) -> dict:
+    """Like :func:`next_threshold` for a single learned index k, from the parametric branch alpha(q):
+    walk the records of alpha(q) upwards in s = -log(1 - q) and stop at the first point where
+    alpha rho(F_P) >= 1; the root is refined by brentq in s (continuous branch), or sits at a jump
+    of the branch (flagged ``jump``: at the local maximum of alpha(q), to the q where alpha(q)
+    returns to that value, or to perfect recovery q -> 1 if it never does)."""
+    P = [i for i in range(model.p) if i != k]
+    cache: dict[float, dict] = {}
+
+    def at(s):
+        s = float(s)
+        if s not in cache:
+            cache[s] = branch_point(ch, k, P, -np.expm1(-s))
+        return cache[s]
+
+    def too_far(pt):
+        if pt["alpha"] > alpha_max:
+            raise AimsymError("alpha", f"no further threshold below alpha_max = {alpha_max} for block {P}")
+
+    def local_max(lo, hi):
+        from scipy.optimize import minimize_scalar
+
+        r = minimize_scalar(lambda s: -at(s)["alpha"], bounds=(lo, hi), method="bounded",
+                            options={"xatol": 1e-3})
+        best = max((s for s in cache if lo <= s <= hi), key=lambda s: cache[s]["alpha"])
+        return best if cache[best]["alpha"] >= -r.fun else float(r.x)
+
+    def jump(s_a, s_b):
+        """Threshold at the jump of the branch from its local maximum s_a to s_b (None: to q = 1)."""
+        a, b = at(s_a), (at(s_b) if s_b is not None else None)
+        th = _as_threshold(b["op"] if b is not None else a["op"], 1.0)
+        th.update(alpha=a["alpha"], stderr=jackknife_stderr(a["alpha_loo"]), jump=True, subspace=list(P),
+                  direction=np.eye(len(P)) / np.sqrt(len(P)),
+                  Q_branch=(b["Q"] if b is not None else np.diag(np.eye(model.p)[k])), q_before=a["q"],
+                  q_after=(b["q"] if b is not None else 1.0), method="parametric branch")
+        return th
+
+    def root(lo, hi):
+        """Continuous root of f in [lo, hi] (f(lo) < 0 <= f(hi)), jackknifed."""
+        s_root = brentq(lambda x: at(x)["f"], lo, hi, xtol=xtol)
+        r = at(s_root)
+        s2 = s_root + 0.05
+        r2 = at(s2)
+        # per leave-one-out replica set, the root of the linearised f and alpha there
+        slope = (r2["f_loo"] - r["f_loo"]) / (s2 - s_root)
+        s_loo = s_root - r["f_loo"] / np.where(slope > 0, slope, np.inf)
+        a_loo = r["alpha_loo"] + (r2["alpha_loo"] - r["alpha_loo"]) / (s2 - s_root) * (s_loo - s_root)
+        th = _as_threshold(r["op"], 1.0)
+        th.update(alpha=r["alpha"], stderr=jackknife_stderr(a_loo), jump=False, Q_branch=r["Q"], q_before=r["q"],
+                  q_after=r["q"], method="parametric branch")
+        return th
+
+    # walk: amax = running maximum of alpha(q) (the branch's alpha so far); lo = last branch point
+    # with f < 0; dip = s of the last record before alpha(q) fell below amax (None on the branch)
+    amax, lo, dip, s_prev = alpha_start, None, None, None
+    s = BRANCH_S0
+    while s <= BRANCH_S_MAX + 1e-12:
+        pt = at(s)
+        if dip is not None and pt["alpha"] >= amax:
+            # back above the old maximum: the branch jumped at the local maximum of alpha(q) near dip
+            s_a = local_max(max(dip - BRANCH_STEP, BRANCH_S0), min(dip + BRANCH_STEP, s))
+            amax = max(amax, at(s_a)["alpha"])
+            if pt["alpha"] >= amax:
+                s_b = brentq(lambda x: at(x)["alpha"] - amax, s_prev, s, xtol=xtol)
+                if amax * at(s_b)["op"]["rho"] - 1.0 >= 0:
+                    return jump(s_a, s_b)
+                lo, dip = s_b, None
+        if dip is None and pt["alpha"] >= amax:  # on the branch
+            too_far(pt)
+            if pt["f"] >= 0:
+                if lo is None:  # unstable already at the first point: the root lies below it
+                    lo = 1e-3
+                    if at(lo)["f"] >= 0:
+                        raise AimsymError("alpha", f"the block {P} is unstable right after alpha = {alpha_start}")
+                return root(lo, s)
+            lo, amax = s, pt["alpha"]
+        elif dip is None:
+            dip = lo if lo is not None else s
+        s_prev, s = s, s + BRANCH_STEP
+    if dip is not None:  # never returns above its maximum: the branch jumps to perfect recovery of k
+        return jump(local_max(max(dip - BRANCH_STEP, BRANCH_S0), min(dip + BRANCH_STEP, BRANCH_S_MAX)), None)
+    raise AimsymError("alpha", f"the branch reaches q = {1 - np.exp(-BRANCH_S_MAX):.4f} on index {k} with "
+                               f"alpha rho < 1 on {P}: no threshold located")
+
+
 def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14, replicas: int = 8,
-              se_samples: int = 2048, nodes=None, seed=0) -> list[dict]:
-    """Ordered list of the next thresholds after ``first`` is learned at alpha_c."""
+              se_samples: int = 2048, nodes=None, seed=0, parametric: bool = True) -> list[dict]:
+    """Ordered list of the next thresholds after ``first`` is learned at alpha_c. A single learned
+    index uses the parametric branch (:func:`next_threshold_branch`, operator points only) unless
+    ``parametric`` is False; larger learned blocks iterate the restricted SE (``se_samples``)."""
     ch_op = make_channel(model, samples=samples, replicas=replicas, seed=seed + 1, nodes=nodes)
     ch_se = make_channel(model, samples=se_samples, replicas=replicas, seed=seed + 2, nodes=nodes)
     learned, alpha, steps = list(first), alpha_c, []
     while len(learned) < model.p:
-        th = next_threshold(model, learned, alpha, ch_op=ch_op, ch_se=ch_se)
+        if len(learned) == 1 and parametric:
+            th = next_threshold_branch(model, learned[0], alpha, ch=ch_op)
+        else:
+            th = next_threshold(model, learned, alpha, ch_op=ch_op, ch_se=ch_se)
         sub = th["subspace"] or [i for i in range(model.p) if i not in learned]
         steps.append({"subspace": sub, "alpha": th["alpha"], "stderr": th["stderr"], "jump": th["jump"],
+                      "method": th.get("method", "restricted SE"),
                       "direction": th["direction"], "rho": th["rho"], "Q_branch": th["Q_branch"]})
         learned, alpha = sorted(set(learned) | set(sub)), th["alpha"]
     return steps
@@ -289,7 +426,7 @@ def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, 
     if staircase and len(ini["subspace"]) < model.p and np.isfinite(ini["alpha"]):
         for s in _staircase(model, ini["alpha"], ini["subspace"], samples=stair_samples, replicas=replicas,
                             se_samples=se_samples, nodes=n_st, seed=seed):
-            steps.append({k: s[k] for k in ("subspace", "alpha", "stderr", "jump")})
+            steps.append({k: s[k] for k in ("subspace", "alpha", "stderr", "jump", "method")})
     accuracy = {"samples": samples, "stair_samples": stair_samples, "se_samples": se_samples,
                 "replicas": replicas, "nodes_initial": n_ini, "nodes_staircase": n_st,
                 "rule": "scrambled Sobol (randomised QMC)"}
@@ -326,4 +463,5 @@ def phase_rows(pd: dict) -> list[dict]:
     """Flatten a :func:`phase_diagram` result to plot rows {"skip", "alpha", "stderr", "step"}."""
     name = pd["parameter"]
     return [{"skip": pt[name], "alpha": s["alpha"], "stderr": s["stderr"], "step": i,
-             "subspace": s["subspace"]} for pt in pd["points"] for i, s in enumerate(pt["staircase"])]
+             "subspace": s["subspace"], "jump": bool(s.get("jump", False))}
+            for pt in pd["points"] for i, s in enumerate(pt["staircase"])]

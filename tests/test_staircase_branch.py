@@ -1,0 +1,100 @@
+"""The parametric restricted branch of the staircase (thresholds.next_threshold_branch).
+
+With one learned index k the restricted SE is scalar and its fixed point through q sits at
+alpha(q) = q / ((1 - q) E[sum_t g_out[k, t]^2]); the staircase walks the records of alpha(q).
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import aimsym
+from aimsym import se
+from aimsym import thresholds as th
+from aimsym.errors import AimsymError
+
+DER = Path(__file__).resolve().parents[1] / "derivations"
+R = 8
+
+
+def test_branch_alpha_is_the_restricted_se_fixed_point():
+    """Iterating the restricted SE at alpha(q), on the same points, returns to q."""
+    model = aimsym.load(DER / "attention_L2_T2.toml", skip=1.0)
+    ch = se.make_channel(model, samples=1 << 10, replicas=R, seed=5)
+    for q in (0.3, 0.8):
+        bp = th.branch_point(ch, 1, [0], q)
+        assert bp["op"]["block"] == [0] and np.isfinite(bp["f"])
+        r = se.state_evolution(model, bp["alpha"], restrict=[1], channel=ch, errors=False, tol=1e-7,
+                               init=np.diag([0.0, q + 0.05]))
+        assert r.Q[1, 1] == pytest.approx(q, abs=2e-4)
+        assert r.Q[0, 0] == 0.0
+
+
+class FakeBranch:
+    """branch_point stand-in: alpha(q) and rho(q) given as functions (no replica noise)."""
+
+    def __init__(self, alpha, rho):
+        self.alpha, self.rho, self.calls = alpha, rho, 0
+
+    def __call__(self, ch, k, P, q):
+        self.calls += 1
+        a, r = float(self.alpha(q)), float(self.rho(q))
+        Q = np.zeros((2, 2))
+        Q[k, k] = q
+        op = {"F": np.array([[r]]), "F_stderr": np.zeros((1, 1)), "rho": r, "rho_stderr": 0.0,
+              "rho_loo": np.full(R, r), "direction": np.ones((1, 1)), "block": list(P)}
+        return {"q": q, "alpha": a, "alpha_loo": np.full(R, a), "op": op, "f": a * r - 1.0,
+                "f_loo": np.full(R, a * r - 1.0), "Q": Q}
+
+
+class Tiny:
+    p = 2
+
+
+def walk(monkeypatch, alpha, rho, start=0.2):
+    fake = FakeBranch(alpha, rho)
+    monkeypatch.setattr(th, "branch_point", fake)
+    return th.next_threshold_branch(Tiny(), 1, start, ch=None), fake
+
+
+def test_walk_continuous_root(monkeypatch):
+    # alpha(q) = 0.2 + q, rho = 1 + 3 q: root of (0.2 + q)(1 + 3 q) = 1 at q = (-1.6 + sqrt(12.16)) / 6
+    res, fake = walk(monkeypatch, lambda q: 0.2 + q, lambda q: 1 + 3 * q)
+    q = (-1.6 + np.sqrt(12.16)) / 6
+    assert not res["jump"] and res["subspace"] == [0]
+    assert res["alpha"] == pytest.approx(0.2 + q, abs=2e-4)
+    assert res["stderr"] == 0.0 and fake.calls < 20
+
+
+def bump(q):
+    """alpha(q): rises to a local maximum 0.6 at q = 0.5, dips to ~0.53 near q = 0.75, is back at 0.6
+    near q = 0.86 and reaches 1.32 at q = 1."""
+    return 0.2 + 1.6 * q - 1.6 * q**2 + 2.0 * np.maximum(q - 0.6, 0.0) ** 2 * (1 + 40 * np.maximum(q - 0.75, 0) ** 2)
+
+
+def test_walk_jump_onto_an_unstable_point(monkeypatch):
+    """rho large enough after the jump: the threshold is the local maximum of alpha(q), flagged."""
+    res, _ = walk(monkeypatch, bump, lambda q: 1.0 + 5.0 * max(q - 0.7, 0.0))
+    assert res["jump"] and res["subspace"] == [0]
+    assert res["alpha"] == pytest.approx(0.6, abs=1e-4)
+    assert 0.5 <= res["q_before"] < 0.52 and res["q_after"] > 0.75
+    assert bump(res["q_after"]) == pytest.approx(0.6, abs=1e-3)
+
+
+def test_walk_jump_then_root_further_up(monkeypatch):
+    """After the jump the rest is still stable; the root is found on the branch beyond it."""
+    res, _ = walk(monkeypatch, bump, lambda q: 1.0)
+    # f = alpha - 1 = 0 where the branch beyond the dip reaches alpha = 1
+    assert not res["jump"] and res["alpha"] == pytest.approx(1.0, abs=1e-3) and res["q_before"] > 0.75
+
+
+def test_walk_jump_to_perfect_recovery(monkeypatch):
+    """alpha(q) never returns above its maximum: the branch jumps to q = 1 there."""
+    res, _ = walk(monkeypatch, lambda q: 0.2 + 1.6 * q - 1.6 * q**2, lambda q: 1.0)
+    assert res["jump"] and res["q_after"] == 1.0 and res["alpha"] == pytest.approx(0.6, abs=1e-4)
+
+
+def test_walk_without_threshold_is_an_error(monkeypatch):
+    with pytest.raises(AimsymError, match="alpha"):
+        walk(monkeypatch, lambda q: 0.2 + q, lambda q: 0.1)
