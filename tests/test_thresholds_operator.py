@@ -197,14 +197,18 @@ def test_three_layers_se_curves_two_earlier_layers_together():
 @pytest.mark.slow
 def test_three_layers_last_first_then_two_together():
     """Three layers (4-D reduced integral, 6 Gauss-Hermite nodes per dimension): the last layer is
-    learned first, then layers 1 and 2 together (one step whose direction covers both)."""
+    learned first, then layers 1 and 2 at a common alpha (one step covering both, or two steps
+    whose alphas agree within their errors)."""
     model = aimsym.load(DER / "attention_L3_T2.toml", skip=1.0)
     r = th.threshold_report(model, samples=1 << 12, se_samples=512, nodes=6)
     assert r["initial"]["subspace"] == [2]
     stairs = r["staircase"]
     print([(s["subspace"], s["alpha"], s["stderr"]) for s in stairs])
-    assert len(stairs) == 2
-    assert stairs[1]["subspace"] == [0, 1] and stairs[1]["alpha"] > stairs[0]["alpha"] + 0.1
+    later = stairs[1:]
+    assert sorted(i for s in later for i in s["subspace"]) == [0, 1]
+    alphas = [s["alpha"] for s in later]
+    assert min(alphas) > stairs[0]["alpha"] + 0.1
+    assert max(alphas) - min(alphas) <= 2 * max(s["stderr"] for s in later)  # at a common alpha
 
 
 def test_phase_diagram_point_at_zero_skip_and_plot(tmp_path):
