@@ -580,16 +580,17 @@ def finite_size_analysis(records, alpha, rho=0.5, tokens=2, activation="softmax"
     from .channels import counting_constant
 
     rows = finite_size_table(records)
-    d = [r["d"] for r in rows]
-    m = [r["mmse"] for r in rows]
-    s = [r["mmse_sem"] for r in rows]
+    fit_rows = [r for r in rows if r["mmse_sem"]]  # sizes with >= 2 seeds
+    d = [r["d"] for r in fit_rows]
+    m = [r["mmse"] for r in fit_rows]
+    s = [r["mmse_sem"] for r in fit_rows]
     if prior == "gaussian":
         m_se = max(0.0, 1.0 - counting_constant(tokens, activation) * alpha)
     else:
         m_se = se.solve(alpha, rho, tokens, activation, beta).mmse
     fits = {}
     for order in (1, 2):
-        if len(rows) >= order + 2:
+        if len(fit_rows) >= order + 2:
             f = finite_size_fit(d, m, s, order)
             f["z_intercept"] = (f["coef"][0] - m_se) / f["coef_se"][0]
             f["slope_relative"] = f["coef"][1] / m_se  # b / SE: relative excess = slope_relative / d
@@ -656,6 +657,56 @@ def rie_finite_size(Delta, rho, d, samples, seed=0):
     sem = float(e.std(ddof=1) / np.sqrt(len(e)))
     return {"d": int(d), "samples": len(e), "Delta": float(Delta), "m": m, "mmse": float(e.mean()),
             "mmse_sem": sem, "kappa": float((e.mean() / m - 1) * d), "kappa_sem": sem / m * d}
+
+
+def prior_step_finite_size(alpha, rho, d, samples, seed=0, tokens=2):
+    """The prior (RIE) step alone at size d, at the softmax SE fixed point (V = SE mmse,
+    Delta* = V / (c_T alpha)), fed with two noises on the same teacher draws:
+
+    * "goe": R = S + sqrt(Delta*) GOE (what the SE assumes);
+    * "amp": R = S + (1/A) sum_mu g_mu . X_mu, GAMP's own effective noise: rank-one sensing matrices
+      of n = alpha d^2 fresh token pairs, g = channel.denoise at the residuals h - omega ~ N(0, w V)
+      (independent of S), A = -(1/d) sum w dg; its variance is Delta* (A is deterministic here) but
+      it is a sum of ~2n rank-one matrices, not a GOE matrix.
+
+    Returns kappa (relative excess times d over m(Delta*)) for both, their paired difference and
+    the predicted AMP slope b / SE = kappa_amp / (1 - f') (``se_amplification``)."""
+    from . import se
+    from .channels import counting_constant
+
+    ch = make_channel("softmax", tokens, 1.0)
+    T = ch.tokens
+    w = entry_weights(T)
+    V = se.solve(alpha, rho, T, "softmax").mmse
+    Delta = V / (counting_constant(T, "softmax") * alpha)
+    m = rie_mmse(Delta, rho)
+    d, n = check_size(d, alpha, rho)
+    rng = np.random.default_rng(seed)
+    e_goe, e_amp = np.empty(int(samples)), np.empty(int(samples))
+    pr = pairs(T)
+    for i in range(len(e_goe)):
+        S, _ = teacher(d, rho, rng)
+        A0 = rng.standard_normal((d, d))
+        e_goe[i] = np.sum((rie_denoise(S + np.sqrt(Delta) * (A0 + A0.T) / np.sqrt(2 * d), rho, Delta) - S) ** 2) / d
+        X = rng.standard_normal((n, d, T))
+        omega = rng.standard_normal((n, len(w))) * np.sqrt(w)
+        h = omega + rng.standard_normal((n, len(w))) * np.sqrt(w * V)
+        H = np.empty((n, T, T))
+        for k, (a, b) in enumerate(pr):
+            H[:, a, b] = H[:, b, a] = h[:, k]
+        g, dg = ch.denoise(ch.sample(H), omega, V)
+        A = -np.sum(dg * w) / d
+        e_amp[i] = np.sum((rie_denoise(S + adjoint(X, g, T) / A, rho, d / (2 * A)) - S) ** 2) / d
+    amp_factor = se_amplification(alpha, rho, T)[2]
+    sq = np.sqrt(len(e_goe))
+    out = {"alpha": float(alpha), "rho": float(rho), "d": int(d), "samples": len(e_goe), "Delta": Delta, "m": m,
+           "amplification": amp_factor}
+    for name, e in (("goe", e_goe), ("amp", e_amp), ("diff", e_amp - e_goe)):
+        base = 0.0 if name == "diff" else m
+        out[f"kappa_{name}"] = float((e.mean() - base) / m * d)
+        out[f"kappa_{name}_sem"] = float(e.std(ddof=1) / sq / m * d)
+    out["predicted_slope_relative"] = out["kappa_amp"] * amp_factor
+    return out
 
 
 def se_amplification(alpha, rho=0.5, tokens=2):

@@ -190,7 +190,7 @@ def fig_finite_size(out, data):
     for r in records:
         groups.setdefault((r["activation"], float(r["alpha"])), []).append(r)
     plt = _plt()
-    keys = sorted(groups)
+    keys = sorted(groups, key=lambda k: (k[0] != "softmax", k[1]))  # softmax panels first
     fig, axes = plt.subplots(1, len(keys), figsize=(3.4 * len(keys), 3.4), squeeze=False)
     meta = []
     for ax, key in zip(axes[0], keys):
@@ -198,7 +198,7 @@ def fig_finite_size(out, data):
         rec0 = groups[key][0]
         res = amp.finite_size_analysis(groups[key], alpha, rec0.get("rho", 0.5), rec0.get("tokens", 2), act,
                                        rec0.get("beta", 1.0))
-        tab = res["table"]
+        tab = [r for r in res["table"] if r["mmse_sem"]]  # sizes with >= 2 seeds (as in the fit)
         x = np.array([1.0 / r["d"] for r in tab])
         ax.errorbar(x, [r["mmse"] for r in tab], yerr=[r["mmse_sem"] for r in tab], fmt="o", ms=4,
                     label="AMP (mean ± s.e.)")
@@ -213,7 +213,7 @@ def fig_finite_size(out, data):
         ax.set_xlabel("1 / d")
         ax.set_ylabel("||S_hat - S||^2 / d")
         ax.set_title(f"{act}, T = {res['tokens']}, rho = {res['rho']}, alpha = {alpha}", fontsize=8)
-        ax.set_xlim(left=0.0)
+        ax.set_xlim(left=-0.02 * x.max())
         ax.legend(fontsize=6)
         meta.append(res)
     return _save(fig, out, "finite_size", meta)
