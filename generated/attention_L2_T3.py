@@ -2,7 +2,7 @@
 
 model: attention_L2_T3
 spec hash: b0844d41f655f71c
-generator: 0.1.0+0e6dabdd99
+generator: 0.1.0+6e2bbcb761
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'b0844d41f655f71c'
-GENERATOR_VERSION = '0.1.0+0e6dabdd99'
+GENERATOR_VERSION = '0.1.0+6e2bbcb761'
 NAME = 'attention_L2_T3'
 P = 2
 T = 3
@@ -1000,13 +1000,53 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     o01 = omega[0, 1]
     o10 = omega[1, 0]
     o11 = omega[1, 1]
+    # domain: the disk |u| <= R = polar_radius(omega, V, kr), or, when it holds the prior of u
+    # far from the origin (|omega_u| > kr sd), the annular sector around omega_u (and -omega_u)
+    mu = math.sqrt(o00 * o00 + o01 * o01)
+    su = math.sqrt(max(V[0, 0], 0.0))
     R = polar_radius(omega, V, kr)
+    r_lo = max(0.0, mu - kr * su)
+    rho_lo = r_lo * r_lo
+    c_eff = max(crad, rho_lo)  # logarithmic from the origin, about uniform in an annulus far out
     beta = abs(polar_beta(params))
-    Slog = math.log1p(R * R / crad)
-    n_edges = 0
-    for e in range(POLAR_ANGLES.shape[0]):
-        if POLAR_ANGLES[e] <= math.pi + 1e-12:
-            n_edges += 1
+    Slog = math.log1p((R * R - rho_lo) / c_eff)
+    # angular pieces in [0, pi] (u and -u are visited together): each sector between switching
+    # lines, intersected with the arc around arg(omega_u) (mod pi) when r_lo > 0 (cut 3 sd
+    # around it); a piece end on a switching line gets the sinh map, an inner end plain
+    # Gauss-Legendre
+    pa = np.empty(16)
+    pb = np.empty(16)
+    pea = np.zeros(16, dtype=np.bool_)
+    peb = np.zeros(16, dtype=np.bool_)
+    n_pc = 0
+    for e in range(POLAR_ANGLES.shape[0] - 1):
+        ta = POLAR_ANGLES[e]
+        tb = POLAR_ANGLES[e + 1]
+        if tb > math.pi + 1e-12:
+            break
+        if r_lo <= 0.0:
+            pa[n_pc] = ta
+            pb[n_pc] = tb
+            pea[n_pc] = True
+            peb[n_pc] = True
+            n_pc += 1
+            continue
+        # the arc, cut 3 sd around the bump's direction so that its core gets its own pieces
+        dlt = math.asin(min(1.0, kr * su / mu))
+        core = min(dlt, 3.0 * su / mu)
+        phi = math.atan2(o01, o00) % math.pi
+        for shift in (-math.pi, 0.0, math.pi):
+            for part in range(3):
+                lo = phi + shift + (-dlt, -core, core)[part]
+                hi = phi + shift + (-core, core, dlt)[part]
+                lo = max(ta, lo)
+                hi = min(tb, hi)
+                if hi > lo and n_pc < pa.shape[0]:
+                    pa[n_pc] = lo
+                    pb[n_pc] = hi
+                    pea[n_pc] = lo == ta
+                    peb[n_pc] = hi == tb
+                    n_pc += 1
     const = -0.5 * nt * (logdet_V + 2.0 * math.log(2.0 * math.pi))
     u = np.empty(2)
     w = np.empty(2)
@@ -1032,30 +1072,42 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     for j in range(xr.shape[0]):
         sj = 0.5 * Slog * (xr[j] + 1.0)
         esj = math.exp(sj)
-        rho = crad * math.expm1(sj)
+        rho = rho_lo + c_eff * math.expm1(sj)
         r = math.sqrt(rho)
-        wrad = 0.25 * Slog * wr[j] * crad * esj  # d(r^2) / 2 = r dr
+        wrad = 0.25 * Slog * wr[j] * c_eff * esj  # d(r^2) / 2 = r dr
         eps = kappa / (beta * rho) if beta > 0.0 else math.inf
-        for e in range(n_edges - 1):
-            ta = POLAR_ANGLES[e]
-            tb = POLAR_ANGLES[e + 1]
+        for e in range(n_pc):
+            ta = pa[e]
+            tb = pb[e]
             half = 0.5 * (tb - ta)
-            Tm = math.asinh(half / eps) if eps < math.inf else 0.0
             ca = math.cos(ta)
             sa = math.sin(ta)
             cb = math.cos(tb)
             sb = math.sin(tb)
+            Tm = math.asinh(half / eps) if eps < math.inf else 0.0
             for k in range(xa.shape[0]):
-                if eps < math.inf:
+                # psi from the piece end: sinh-mapped next to a switching line, else plain
+                psi_l = 0.5 * half * (xa[k] + 1.0)
+                wpsi_l = 0.5 * half * wa[k]
+                psi_s = psi_l
+                wpsi_s = wpsi_l
+                if eps < math.inf and (pea[e] or peb[e]):
                     em = math.expm1(0.5 * Tm * (xa[k] + 1.0))  # sinh, cosh without cancellation
-                    psi = eps * em * (2.0 + em) / (2.0 * (1.0 + em))
-                    wpsi = eps * (1.0 + em * em / (2.0 * (1.0 + em))) * 0.5 * Tm * wa[k]
-                else:
-                    psi = 0.5 * half * (xa[k] + 1.0)
-                    wpsi = 0.5 * half * wa[k]
-                cp = math.cos(psi)
-                sp_ = math.sin(psi)
+                    psi_s = eps * em * (2.0 + em) / (2.0 * (1.0 + em))
+                    wpsi_s = eps * (1.0 + em * em / (2.0 * (1.0 + em))) * 0.5 * Tm * wa[k]
+                cp_l = math.cos(psi_l) if not (pea[e] and peb[e]) else 0.0
+                sp_l = math.sin(psi_l) if not (pea[e] and peb[e]) else 0.0
+                cp_s = math.cos(psi_s) if (pea[e] or peb[e]) else 0.0
+                sp_s = math.sin(psi_s) if (pea[e] or peb[e]) else 0.0
                 for side in range(2):
+                    if pea[e] if side == 0 else peb[e]:
+                        wpsi = wpsi_s
+                        cp = cp_s
+                        sp_ = sp_s
+                    else:
+                        wpsi = wpsi_l
+                        cp = cp_l
+                        sp_ = sp_l
                     if side == 0:  # theta = ta + psi
                         u[0] = r * (ca * cp - sa * sp_)
                         u[1] = r * (sa * cp + ca * sp_)

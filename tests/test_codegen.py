@@ -103,3 +103,51 @@ def test_latex_document_compiles(name, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:]
     assert (tmp_path / f"{name}.pdf").stat().st_size > 1000
+
+
+def test_softmax_rows_are_printed_stably():
+    """Row softmaxes are recognised and printed with one exp per entry (T = 2: one per row via
+    _softmax2) instead of T - 1 per entry; the generated link stays exact for huge logits."""
+    for name, T in (("attention_L2_T2", 2), ("attention_L2_T3", 3)):
+        spec = S.load(codegen.REPO_ROOT / "derivations" / f"{name}.toml")
+        src = codegen.module_source(spec)
+        body = src[src.index("def branch("):src.index("def polar_beta(")]
+        body = body[body.index('    """', body.index('r"""') + 4):]  # past the docstring
+        if T == 2:
+            assert body.count("_softmax2(") == 2 and "math.exp(" not in body.split("def polar_branch")[0]
+        else:
+            assert body.count("math.exp(") == T * T  # one per entry (was T (T - 1))
+    model = aimsym.load(codegen.REPO_ROOT / "derivations" / "attention_L2_T3.toml", skip=0.7)
+    rng = np.random.default_rng(0)
+    Z = 30.0 * rng.standard_normal((3, model.p, model.tokens))  # logits ~ 1e3: exp would overflow
+    Y = model.link(Z)
+    assert np.all(np.isfinite(Y)) and np.allclose(Y.sum(axis=-1), 1.0)
+    spec = S.bind(model.spec, {"skip": 0.7})
+    for i in range(3):
+        z1 = Z[i, 0]
+        A = np.outer(z1, z1)
+        E = np.exp(A - A.max(axis=1, keepdims=True))
+        M = 0.7 * np.eye(3) + E / E.sum(axis=1, keepdims=True)
+        h = M @ Z[i, 1]
+        G = np.outer(h, h)
+        E = np.exp(G - G.max(axis=1, keepdims=True))
+        assert np.allclose(Y[i], E / E.sum(axis=1, keepdims=True), rtol=1e-9, atol=1e-300)
+    del spec
+
+
+def test_polar_branch_kernel():
+    """polar_branch: w = M(u)^{-1} h and 1/|det M(u)| for the two-layer T = 2 model; stubs elsewhere."""
+    model = aimsym.load(codegen.REPO_ROOT / "derivations" / "attention_L2_T2.toml", skip=0.8)
+    k = model.kernels
+    assert k.polar_beta(model.params_array()) == 1.0
+    rng = np.random.default_rng(1)
+    w = np.empty(2)
+    for _ in range(5):
+        u, h = rng.normal(size=2) * 2, rng.normal(size=2)
+        A = np.outer(u, u)
+        E = np.exp(A - A.max(axis=1, keepdims=True))
+        M = 0.8 * np.eye(2) + E / E.sum(axis=1, keepdims=True)
+        J = k.polar_branch(u, h, model.params_array(), w)
+        assert np.allclose(w, np.linalg.solve(M, h), rtol=1e-12) and np.isclose(J, 1 / abs(np.linalg.det(M)), rtol=1e-12)
+    other = aimsym.load(codegen.REPO_ROOT / "derivations" / "attention_L3_T2.toml", skip=1.0).kernels
+    assert len(other.POLAR_ANGLES) == 0 and np.isnan(other.polar_beta(np.ones(1)))
