@@ -176,7 +176,7 @@ def main(argv=None):
                 den(ym[:1], omm[:1], np.eye(mm.p))
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
-                    t, out = _cpu_timed(lambda: den(ym, omm, np.eye(mm.p), error=True), repeat=1)
+                    t, out = _cpu_timed(lambda: den(ym, omm, np.eye(mm.p), error=True), repeat=2)
                 print(f"{name}: nodes {den.nodes}, tol {den.tol}: {1e3 * t / len(ym):.2f} ms CPU per evaluation "
                       f"(1 thread, with the error estimate), estimated error max {np.max(out.error):.0e}", flush=True)
             numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)

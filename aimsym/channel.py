@@ -16,11 +16,15 @@ Accuracy. Two rules for the integral over the free entries u:
   and re-centred ``adapt`` times on each branch's posterior mean and covariance (the adaptation
   passes use a rule with half as many points per dimension). Defaults: ``DEFAULT_NODES`` and
   ``DEFAULT_ADAPT`` by dimension.
-* for two-layer T = 2 models (tied rank-one first layer) the *polar sector rule*
-  ``polar = (angle nodes per sector, radial nodes)`` on the disk |u| <= |omega_u| + kr sqrt(V_uu),
-  split along the lines where the first layer's attention switches. Gauss-Hermite is used instead
-  only where the prior of u is narrow (``gh_plausible``) *and* the Gauss-Hermite result agrees with
-  a rule of 3/4 the size to ``check_tol``.
+* for two-layer T = 2 models (tied rank-one first layer) a *polar sector rule* on the disk
+  |u| <= |omega_u| + kr sqrt(V_uu) (or an annular sector around omega_u when that excludes the
+  origin), split along the lines where the first layer's attention switches. Default
+  ``polar_map="sinh"``: ``polar = (angle nodes per half sector, radial nodes)``, logarithmic in
+  radius, sinh-graded in angle from each switching line, u and -u per kernel call (see
+  ``denoise_one_polar_mapped`` in the driver and docs/denoiser.md); ``polar_map="legendre"``: the
+  earlier plain Gauss-Legendre rule, ``polar = (angle nodes per sector, radial nodes)``.
+  Gauss-Hermite is used instead only where the prior of u is narrow (``gh_plausible``) *and* the
+  Gauss-Hermite result agrees with a rule of 3/4 the size to ``check_tol``.
 
 ``error=True`` repeats the computation with rules of 3/4 the size (per dimension) and reports the
 largest difference of g_out and dg_out as ``error``. ``tol`` (optional) makes that a loop: samples
