@@ -712,6 +712,64 @@ def prior_step_finite_size(alpha, rho, d, samples, seed=0, tokens=2):
     return out
 
 
+def finite_d_se(alpha, rho, d, samples, noise="amp", seed=0, batches=4, tokens=2):
+    """A finite-d state evolution for softmax T: the SE fixed point V = F(V) with the prior step
+    replaced by its Monte Carlo value at size d,
+
+        F(V) = E ||RIE(S + sqrt(V) N_1; rho, V / (c_T alpha)) - S||^2 / d,
+
+    S the finite-d teacher and N_1 the unit-V noise: "goe" (sqrt(1/(c_T alpha)) GOE) or "amp"
+    (GAMP's own noise (1/A) sum g.X built as in ``prior_step_finite_size`` at V = 1; for softmax it
+    scales exactly as sqrt(V) and Delta = V / (c_T alpha)). Common random numbers make F smooth in
+    V; the root is found by Brent per batch of draws. Returns the mean fixed point over ``batches``
+    and its standard error (spread of the batches): the nonlinear prediction of the AMP error at d,
+    with no parameter taken from AMP runs."""
+    from scipy.optimize import brentq
+
+    from . import se
+    from .channels import counting_constant
+
+    if noise not in ("amp", "goe"):
+        raise AimsymError("noise", f"must be 'amp' or 'goe', got {noise!r}")
+    ch = make_channel("softmax", tokens, 1.0)
+    T = ch.tokens
+    w = entry_weights(T)
+    c = counting_constant(T, "softmax")
+    d, n = check_size(d, alpha, rho)
+    rng = np.random.default_rng(seed)
+    pr = pairs(T)
+    draws = []
+    for _ in range(int(samples)):
+        S, _ = teacher(d, rho, rng)
+        if noise == "goe":
+            A0 = rng.standard_normal((d, d))
+            N1 = np.sqrt(1.0 / (c * alpha)) * (A0 + A0.T) / np.sqrt(2 * d)
+        else:
+            X = rng.standard_normal((n, d, T))
+            omega = rng.standard_normal((n, len(w))) * np.sqrt(w)
+            h = omega + rng.standard_normal((n, len(w))) * np.sqrt(w)
+            H = np.empty((n, T, T))
+            for k, (a, b) in enumerate(pr):
+                H[:, a, b] = H[:, b, a] = h[:, k]
+            g, dg = ch.denoise(ch.sample(H), omega, 1.0)
+            N1 = adjoint(X, g, T) / (-np.sum(dg * w) / d)
+        draws.append((S, N1))
+
+    def F(V, batch):
+        return float(np.mean([np.sum((rie_denoise(S + np.sqrt(V) * N1, rho, V / (c * alpha)) - S) ** 2) / d
+                              for S, N1 in batch]))
+
+    V_se = se.solve(alpha, rho, T, "softmax").mmse
+    roots = []
+    for b in range(int(batches)):
+        batch = draws[b::int(batches)]
+        roots.append(brentq(lambda V: F(V, batch) - V, 0.5 * V_se, 1.6 * V_se, xtol=1e-6 * V_se))
+    roots = np.array(roots)
+    return {"alpha": float(alpha), "rho": float(rho), "d": int(d), "samples": int(samples), "noise": noise,
+            "mmse": float(roots.mean()), "mmse_sem": float(roots.std(ddof=1) / np.sqrt(len(roots))),
+            "mmse_se": V_se, "batches": roots.tolist()}
+
+
 def se_amplification(alpha, rho=0.5, tokens=2):
     """Softmax/linear SE: a relative perturbation eps of the prior step, mmse = (1 + eps) m(Delta),
     Delta = mmse / (c alpha), moves the fixed point by the relative amount eps / (1 - f'),
