@@ -189,6 +189,29 @@ def test_goe_sensing_data():
         amp.run(data, onsager="exact")
 
 
+@pytest.mark.parametrize("alpha", [0.05, 0.1, 0.15])
+def test_se_amplification_matches_se_slope(alpha):
+    """1/(1 - f') from d log m / d log Delta equals 1 + (-alpha dM/dalpha / M) computed from the SE
+    curve itself (implicit differentiation of M = m(M / (c alpha)))."""
+    _, fp, amp_factor = amp.se_amplification(alpha, 0.5)
+    h = 1e-4 * alpha
+    M = se.solve(alpha, 0.5).mmse
+    slope = (se.solve(alpha + h, 0.5).mmse - se.solve(alpha - h, 0.5).mmse) / (2 * h)
+    assert amp_factor == pytest.approx(1 - alpha * slope / M, rel=1e-4) and 0 < fp < 1
+
+
+def test_finite_d_diagnostics_run():
+    """Prior-step and finite-d SE diagnostics (docs/aim.md section 4) on a tiny case: the GOE and
+    GAMP noises have the variance Delta* of the SE (the RIE error is near m(Delta*)), the finite-d
+    fixed points are bracketed and finite."""
+    out = amp.prior_step_finite_size(0.1, 0.5, 24, 6, seed=1)
+    assert abs(out["kappa_goe"]) / 24 < 0.2 and abs(out["kappa_amp"]) / 24 < 0.3
+    fd = amp.finite_d_se(0.1, 0.5, 24, 8, "goe", seed=2)
+    assert len(fd["batches"]) == 4 and 0.5 * fd["mmse_se"] < fd["mmse"] < 1.6 * fd["mmse_se"]
+    with pytest.raises(AimsymError, match="noise"):
+        amp.finite_d_se(0.1, 0.5, 24, 8, "x")
+
+
 def test_finite_size_fit_recovers_known_law():
     """Weighted fit of mean(d) = a + b/d (+ c/d^2): exact data give the coefficients back; noisy
     data give coefficients within 3 of their standard errors and a chi2 near its dof; a wrong
