@@ -26,12 +26,14 @@ import aimsym
 ROOT = Path(__file__).resolve().parent.parent / "derivations"
 
 
-def _timed(fn, repeat=3):
+def _timed(fn, repeat=3, clock=time.perf_counter):
+    """Best of ``repeat`` timings of fn() on ``clock`` (wall by default; ``time.process_time`` for
+    the CPU time of this process: with single-threaded numba, CPU time = work, whatever the load)."""
     best = np.inf
     for _ in range(repeat):
-        t = time.perf_counter()
+        t = clock()
         out = fn()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, clock() - t)
     return best, out
 
 
@@ -98,16 +100,6 @@ def _load() -> str:
         return "load average unavailable"
 
 
-def _cpu_timed(fn, repeat=3):
-    """Best of ``repeat`` CPU times of this process (single-threaded numba: CPU time = work)."""
-    best = np.inf
-    for _ in range(repeat):
-        t = time.process_time()
-        out = fn()
-        best = min(best, time.process_time() - t)
-    return best, out
-
-
 SE_LABELS = ["moderate", "V=diag(1,.05)", "V=diag(.5,.02)", "V=.02 I"]
 
 
@@ -148,7 +140,7 @@ def main(argv=None):
             den(y[:1], om[:1], V[:1])  # compile / load
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                t, out = _cpu_timed(lambda: den(y, om, V), repeat=3)
+                t, out = _timed(lambda: den(y, om, V), repeat=3, clock=time.process_time)
             row.append(f"{1e6 * t / len(y):8.0f} us, err {err(out, refs[k]):7.0e}")
         print(f"  {label:34s} " + " ".join(f"{r:>24s}" for r in row), flush=True)
     print(f"  ({_load()})")
@@ -176,7 +168,7 @@ def main(argv=None):
                 den(ym[:1], omm[:1], np.eye(mm.p))
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
-                    t, out = _cpu_timed(lambda: den(ym, omm, np.eye(mm.p), error=True), repeat=2)
+                    t, out = _timed(lambda: den(ym, omm, np.eye(mm.p), error=True), repeat=2, clock=time.process_time)
                 print(f"{name}: nodes {den.nodes}, tol {den.tol}: {1e3 * t / len(ym):.2f} ms CPU per evaluation "
                       f"(1 thread, with the error estimate), estimated error max {np.max(out.error):.0e}", flush=True)
             numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
@@ -191,7 +183,7 @@ def main(argv=None):
         for label, acc in (("default (tol 1e-8)", {}), ("mapped (12, 32) fixed", {"tol": None})):
             den = m.denoiser(**acc)
             den(y[:1], om[:1], V[0])
-            t_ex, out = _cpu_timed(lambda: den(y[:1], om[:1], V[0]))
+            t_ex, out = _timed(lambda: den(y[:1], om[:1], V[0]), clock=time.process_time)
             print(f"scipy nquad (tol 1e-10, log Z and E[Z|y] only): {t_nq:.1f} s per evaluation; aimsym {label}: "
                   f"{1e3 * t_ex:.3f} ms; ratio {t_nq / t_ex:.0f}; "
                   f"|g_out - g_nquad| / |g| = {np.max(np.abs(out.g_out[0] - g_nq)) / np.max(np.abs(g_nq)):.1e}")
