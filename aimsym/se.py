@@ -315,6 +315,10 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
         it += n_it
         if stop is not None and stop(Q):
             break
+    if stop is None:
+        Q, n_it, converged = _reseed(ch, Q, alpha, Lam, mask, damping, tol, max_iter - it, history, anderson,
+                                     init_eps, converged)
+        it += n_it
     Q_hat_r, psi_r = se_map(ch, Q, alpha)
     Q_hat_r = Q_hat_r * mask
     Q_hat, Q_hat_se = mean_and_stderr(Q_hat_r)
@@ -367,6 +371,28 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         xs, gs = (xs + [Q])[-anderson - 1:], (gs + [Q_plain])[-anderson - 1:]
         Q = _anderson(xs, gs) if anderson and contracting and len(xs) > 1 else Q_plain
     return Q, max(max_iter, 0), False
+
+
+def _reseed(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson, eps, converged, rounds=2):
+    """Stability of vanished diagonal entries at the fixed point. An uninformed start can shrink a
+    later-learned index to ~1e-12 while another index is still being learned (layer 1 while layer 2
+    grows: the factor per step is ~0.2 there) and then stop on a fixed point that is unstable in
+    that index, which from 1e-12 would need dozens of steps to show. Such entries are re-seeded at
+    ``eps`` and the iteration continued: they escape if the fixed point is unstable there (the
+    escape test in :func:`_iterate` keeps it going while they grow), else they decay back."""
+    n_total = 0
+    for _ in range(rounds):
+        small = (np.diag(Q) < eps) & (np.diag(mask) > 0)
+        if not small.any() or max_iter - n_total <= 0:
+            break
+        Q_seed = Q + eps * np.diag(small.astype(float))
+        Q_new, n_it, conv = _iterate(ch, Q_seed, alpha, Lam, mask, damping, tol, max_iter - n_total, history,
+                                     anderson)
+        n_total += n_it
+        if not np.any(np.diag(Q_new)[small] >= eps):
+            break  # decayed back: Q is stable there (keep it, not the half-decayed perturbation)
+        Q, converged = Q_new, conv
+    return Q, n_total, converged
 
 
 def _anderson(xs, gs) -> np.ndarray:

@@ -98,3 +98,14 @@ def test_walk_jump_to_perfect_recovery(monkeypatch):
 def test_walk_without_threshold_is_an_error(monkeypatch):
     with pytest.raises(AimsymError, match="alpha"):
         walk(monkeypatch, lambda q: 0.2 + q, lambda q: 0.1)
+
+
+def test_fresh_uninformed_start_escapes_an_unstable_zero():
+    """Above alpha_1 a fresh uninformed start learns layer 1 (its overlap first shrinks to ~1e-12
+    while layer 2 is learned; the re-seeding at convergence lets it escape); below, it stays at 0."""
+    model = aimsym.load(DER / "attention_L2_T2.toml", skip=1.0)
+    ch = se.make_channel(model, samples=1 << 10, replicas=R, seed=0)
+    hi = se.state_evolution(model, 0.85, channel=ch, errors=False, tol=1e-3)
+    lo = se.state_evolution(model, 0.65, channel=ch, errors=False, tol=1e-3)
+    assert hi.Q[0, 0] > 0.1 and hi.Q[1, 1] > 0.95
+    assert lo.Q[0, 0] < 1e-6 and lo.Q[1, 1] > 0.9
