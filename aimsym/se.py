@@ -308,7 +308,9 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
     history, it = [], 0
     # coarse pass on 1/8 of the points (cheap), then the full rule from there
     for stage, (rule, stage_tol) in enumerate(((ch.subset(coarse), 4 * tol), (ch, tol))):
-        if stage == 0 and coarse <= 1:
+        # no coarse pass under a stop predicate: it would decide on 1/8 of the points (another
+        # sampled map), e.g. "the overlap has left zero" where the full rule is still stable
+        if stage == 0 and (coarse <= 1 or stop is not None):
             continue
         Q, n_it, converged = _iterate(rule, Q, alpha, Lam, mask, damping, stage_tol, max_iter - it, history,
                                       anderson, stop)

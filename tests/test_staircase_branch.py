@@ -109,3 +109,19 @@ def test_fresh_uninformed_start_escapes_an_unstable_zero():
     lo = se.state_evolution(model, 0.65, channel=ch, errors=False, tol=1e-3)
     assert hi.Q[0, 0] > 0.1 and hi.Q[1, 1] > 0.95
     assert lo.Q[0, 0] < 1e-6 and lo.Q[1, 1] > 0.9
+
+
+@pytest.mark.slow
+def test_staircase_second_method_side_information():
+    """Second method on the same points: the SE with a tiny side information on layer 1 (layer 2
+    started learned) leaves zero 4 % above the parametric root and stays at zero 4 % below it."""
+    model = aimsym.load(DER / "attention_L2_T2.toml", skip=1.0)
+    ch = se.make_channel(model, samples=1 << 11, replicas=R, seed=3)
+    root = th.next_threshold_branch(model, 1, 0.1857, ch=ch)["alpha"]
+
+    def learned_at(alpha):
+        r = se.state_evolution(model, alpha, init=np.diag([0.0, 1e-3]), side_info=1e-8, side_block=[0], channel=ch,
+                               errors=False, tol=1e-6, max_iter=2000, stop=lambda Q: Q[0, 0] > 1e-4)
+        return r.Q[0, 0] > 1e-4
+
+    assert not learned_at(0.96 * root) and learned_at(1.04 * root)
