@@ -327,12 +327,13 @@ def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14
     index uses the parametric branch (:func:`next_threshold_branch`, operator points only) unless
     ``parametric`` is False; larger learned blocks iterate the restricted SE (``se_samples``)."""
     ch_op = make_channel(model, samples=samples, replicas=replicas, seed=seed + 1, nodes=nodes)
-    ch_se = make_channel(model, samples=se_samples, replicas=replicas, seed=seed + 2, nodes=nodes)
+    ch_se = None  # only the iterated restricted SE needs its own points
     learned, alpha, steps = list(first), alpha_c, []
     while len(learned) < model.p:
         if len(learned) == 1 and parametric:
             th = next_threshold_branch(model, learned[0], alpha, ch=ch_op)
         else:
+            ch_se = ch_se or make_channel(model, samples=se_samples, replicas=replicas, seed=seed + 2, nodes=nodes)
             th = next_threshold(model, learned, alpha, ch_op=ch_op, ch_se=ch_se)
         sub = th["subspace"] or [i for i in range(model.p) if i not in learned]
         steps.append({"subspace": sub, "alpha": th["alpha"], "stderr": th["stderr"], "jump": th["jump"],
