@@ -297,7 +297,8 @@ def _polar_kernels(spec: Spec, d: Derivation) -> list[str]:
     lines = ["@njit(cache=True)", "def polar_beta(params):"]
     if not _polar_angles(spec, d):
         lines += ["    return math.nan", "", "", "@njit(cache=True)", "def polar_branch(u, obs, params, w):",
-                  "    return math.nan"]
+                  "    return math.nan", "", "", "@njit(cache=True)", "def polar_rows(U, n, obs, params, W, J, E, tmp):",
+                  "    return None", "", "", "POLAR_ROWS = 1"]
         return lines
     from .symbolic import param_symbol
 
@@ -315,6 +316,55 @@ def _polar_kernels(spec: Spec, d: Derivation) -> list[str]:
         assert k == d.p - 1, "polar rule: the solved entries are the last layer's row"
         lines.append(f"    w[{t}] = {reduced[j]}")
     lines.append(f"    return {reduced[-1]}")
+    return lines + ["", ""] + _polar_rows_kernel(d, body, reduced)
+
+
+_SOFTMAX2_LINE = re.compile(r"^(\s*)(\w+), (\w+) = _softmax2\((.*)\)$")
+_ASSIGN_LINE = re.compile(r"^\s*(\w+) = (.*)$")
+
+
+def _polar_rows_kernel(d: Derivation, body: list[str], reduced: list[str]) -> list[str]:
+    """``polar_rows``: ``polar_branch`` over a block of nodes, written so that LLVM vectorises
+    it. The first layer's row softmaxes need one exp each per node; a first pass stores their
+    arguments -|d|, one ``_vexp`` call per row exponentiates them in SIMD, and a second pass
+    runs the program with ``_softmax2e`` (the softmax from the stored exp). The first pass
+    prints only the definitions the logits need (a line that uses a softmax entry is skipped)."""
+    red = d.reduction
+    n_rows = 0
+    first, second, tainted = [], [], set()
+    for ln in body:
+        mt = _SOFTMAX2_LINE.match(ln)
+        if mt:
+            ind, a, b, arg = mt.groups()
+            first.append(f"{ind}    E[{n_rows}, i] = -abs({arg})")
+            second.append(f"{ind}    {a}, {b} = _softmax2e({arg}, E[{n_rows}, i])")
+            tainted |= {a, b}
+            n_rows += 1
+            continue
+        ma = _ASSIGN_LINE.match(ln)
+        assert ma, f"polar_rows: unexpected line {ln!r}"
+        if set(re.findall(r"\w+", ma.group(2))) & tainted:
+            tainted.add(ma.group(1))
+        else:
+            first.append("    " + ln)
+        second.append("    " + ln)
+    assert n_rows > 0, "polar_rows: the first layer's softmax rows were not recognised"
+    unpack = [f"        {d.Z[k, t].name} = U[{i}, i]" for i, (k, t) in enumerate(red.free)]
+    lines = ['@njit(cache=True, error_model="numpy")  # IEEE division (1/det M = inf is handled by the caller): no',
+             "# ZeroDivisionError branch, so the loops vectorise",
+             "def polar_rows(U, n, obs, params, W, J, E, tmp):",
+             '    """``polar_branch`` at the nodes i < n, vectorised: U (2, N) free indices, W (T, N)',
+             "    branch 0's solved row, J (N) = 1/|det M|; E (POLAR_ROWS, N) and tmp (N) are scratch.",
+             '    The softmax exps run in SIMD through ``_vexp`` (tests: equal to polar_branch per node)."""']
+    lines += [f"    {s.name} = obs[{i}]" for i, s in enumerate(red.obs)]
+    lines += _unpack_params(d)
+    lines += ["    for i in range(n):"] + unpack + first
+    lines += [f"    for k in range({n_rows}):", "        _vexp(E[k], E[k], n, tmp)"]
+    lines += ["    for i in range(n):"] + unpack + second
+    for j, (k, t) in enumerate(red.solved):
+        lines.append(f"        W[{t}, i] = {reduced[j]}")
+    lines.append(f"        J[i] = {reduced[-1]}")
+    lines += ["", "", f"POLAR_ROWS = {n_rows}"]
     return lines
 
 
@@ -438,6 +488,13 @@ def module_source(spec: Spec) -> str:
         "def _softmax2(d):",
         '    """Row softmax of the logits (0, d): one exp, no overflow."""',
         "    e = math.exp(-abs(d))",
+        "    big = 1.0 / (1.0 + e)",
+        "    return (big, e * big) if d <= 0.0 else (e * big, big)",
+        "",
+        "",
+        '@njit(cache=True, error_model="numpy")',
+        "def _softmax2e(d, e):",
+        '    """_softmax2 with e = exp(-|d|) given (computed in SIMD by the caller)."""',
         "    big = 1.0 / (1.0 + e)",
         "    return (big, e * big) if d <= 0.0 else (e * big, big)",
         "",

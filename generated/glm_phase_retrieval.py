@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+6e2bbcb761
+generator: 0.1.0+cdb54cbc09
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+6e2bbcb761'
+GENERATOR_VERSION = '0.1.0+cdb54cbc09'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1
@@ -58,6 +58,13 @@ def _sign(x):
 def _softmax2(d):
     """Row softmax of the logits (0, d): one exp, no overflow."""
     e = math.exp(-abs(d))
+    big = 1.0 / (1.0 + e)
+    return (big, e * big) if d <= 0.0 else (e * big, big)
+
+
+@njit(cache=True, error_model="numpy")
+def _softmax2e(d, e):
+    """_softmax2 with e = exp(-|d|) given (computed in SIMD by the caller)."""
     big = 1.0 / (1.0 + e)
     return (big, e * big) if d <= 0.0 else (e * big, big)
 
@@ -123,6 +130,14 @@ def polar_beta(params):
 @njit(cache=True)
 def polar_branch(u, obs, params, w):
     return math.nan
+
+
+@njit(cache=True)
+def polar_rows(U, n, obs, params, W, J, E, tmp):
+    return None
+
+
+POLAR_ROWS = 1
 
 
 # ============================================================================
@@ -562,49 +577,63 @@ def denoise_one_polar(obs, omega, V, params, pc, ps, plw, rr, w_r, kr, g_out, dg
     return _finish(st[0], st[1], st[2], S1, S2, Vinv, g_out, dg_out, extra)
 
 
+# SIMD exp: exp(x) = 2^k p(r), x = k ln 2 + r, |r| <= ln(2) / 2, p the degree-13 Taylor polynomial
+# (relative error < 1e-16 on |r| <= 0.347), 2^k written into the exponent bits. Plain loops
+# over arrays, so LLVM vectorises them (libm's exp is a scalar call): about 2x faster per exp
+# here, and it lets the whole per-radius block of the polar rule run in SIMD.
+_LOG2E = 1.4426950408889634
+_LN2_HI = 6.93147180369123816490e-01
+_LN2_LO = 1.90821492927058770002e-10
+_ROUND = 6755399441055744.0  # 1.5 * 2^52: (x + _ROUND) - _ROUND rounds x to an integer
+
+
+@njit(cache=True, fastmath={"contract"})
+def _vexp(x, out, n, tmp):
+    """out[:n] = exp(x[:n]) (x clipped to [-708, 709]; in place allowed); tmp: scratch (n).
+    2^k: k + 1023 + 2^52 as a double holds k + 1023 in its low mantissa bits; shifted left by
+    52 as an int64 that becomes the exponent field (no double -> int conversion, which AVX2
+    cannot vectorise)."""
+    bits = tmp.view(np.int64)
+    for i in range(n):
+        xi = min(max(x[i], -708.0), 709.0)
+        k = (xi * _LOG2E + _ROUND) - _ROUND
+        r = (xi - k * _LN2_HI) - k * _LN2_LO
+        out[i] = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6 + r * (1.0 / 24 + r * (1.0 / 120 + r * (
+            1.0 / 720 + r * (1.0 / 5040 + r * (1.0 / 40320 + r * (1.0 / 362880 + r * (1.0 / 3628800 + r * (
+                1.0 / 39916800 + r * (1.0 / 479001600 + r * (1.0 / 6227020800)))))))))))))
+        tmp[i] = k + 4503599627371519.0  # k + 1023 + 2^52
+    for i in range(n):
+        bits[i] = bits[i] << 52
+    for i in range(n):
+        out[i] *= tmp[i]
+
+
+@njit(cache=True, fastmath={"contract"})
+def _sincos(x, s, c, n):
+    """s, c = sin, cos of x[:n], |x| <= pi/4 (Taylor to degree 17/16: error < 2e-16)."""
+    for i in range(n):
+        t = x[i]
+        t2 = t * t
+        s[i] = t * (1.0 + t2 * (-1.0 / 6 + t2 * (1.0 / 120 + t2 * (-1.0 / 5040 + t2 * (1.0 / 362880 + t2 * (
+            -1.0 / 39916800 + t2 * (1.0 / 6227020800 + t2 * (-1.0 / 1307674368000 + t2 * (1.0 / 355687428096000)))))))))
+        c[i] = 1.0 + t2 * (-0.5 + t2 * (1.0 / 24 + t2 * (-1.0 / 720 + t2 * (1.0 / 40320 + t2 * (-1.0 / 3628800 + t2 * (
+            1.0 / 479001600 + t2 * (-1.0 / 87178291200 + t2 * (1.0 / 20922789888000))))))))
+
+
 @njit(cache=True)
-def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, crad, g_out, dg_out, extra):
-    """Two free indices u = z_1 (layer 1 tied, rank one, T = 2): mapped polar rule (default).
-
-    Symmetry: the first layer's logits beta u_a u_b are even in u, so u and -u give the same
-    mixing matrix, the same solved row w and the same Jacobian: one ``polar_branch`` call
-    serves the four points (+-u, +-w), and only the half plane 0 <= theta <= pi is visited.
-
-    Radius: rho = r^2 = crad (e^s - 1), Gauss-Legendre in s on [0, log(1 + R^2 / crad)] (xr, wr
-    on [-1, 1]), R = polar_radius(omega, V, kr): summed over +-u the integrand is analytic in
-    rho, and the logits grow like rho, so a logarithmic grading resolves every scale.
-    Angle: sectors cut on the lines where the attention switches (POLAR_ANGLES in [0, pi]),
-    each split in halves; from each edge psi = eps sinh(tau) with eps = kappa / (beta r^2),
-    Gauss-Legendre in tau on [0, asinh(half width / eps)] (xa, wa on [-1, 1]): the logit of
-    the switching row is about beta r^2 psi, so its layer (width ~1/(beta r^2)) is resolved by
-    the same nodes at every radius (Elliott-Johnston sinh map)."""
-    nt = T
-    Vinv = np.empty((2, 2))
-    logdet_V = _precision(V, Vinv)
-    if logdet_V != logdet_V:
-        return STATUS_BAD_V
-    p00 = Vinv[0, 0]
-    p01 = Vinv[0, 1]
-    p11 = Vinv[1, 1]
-    diag = p01 == 0.0
+def _polar_pieces(omega, V, kr):
+    """Angular pieces in [0, pi] of the mapped polar rule (u and -u are visited together) and
+    the radial range: each sector between switching lines (POLAR_ANGLES), intersected with the
+    arc around arg(omega_u) (mod pi) when the prior of u lies far from the origin (r_lo > 0;
+    the arc is cut 3 sd around that direction so that the bump's core gets its own pieces).
+    Returns R, r_lo, and per piece its ends and whether each end is a switching line (which
+    gets the sinh map; an inner end gets plain Gauss-Legendre)."""
     o00 = omega[0, 0]
     o01 = omega[0, 1]
-    o10 = omega[1, 0]
-    o11 = omega[1, 1]
-    # domain: the disk |u| <= R = polar_radius(omega, V, kr), or, when it holds the prior of u
-    # far from the origin (|omega_u| > kr sd), the annular sector around omega_u (and -omega_u)
     mu = math.sqrt(o00 * o00 + o01 * o01)
     su = math.sqrt(max(V[0, 0], 0.0))
     R = polar_radius(omega, V, kr)
     r_lo = max(0.0, mu - kr * su)
-    rho_lo = r_lo * r_lo
-    c_eff = max(crad, rho_lo)  # logarithmic from the origin, about uniform in an annulus far out
-    beta = abs(polar_beta(params))
-    Slog = math.log1p((R * R - rho_lo) / c_eff)
-    # angular pieces in [0, pi] (u and -u are visited together): each sector between switching
-    # lines, intersected with the arc around arg(omega_u) (mod pi) when r_lo > 0 (cut 3 sd
-    # around it); a piece end on a switching line gets the sinh map, an inner end plain
-    # Gauss-Legendre
     pa = np.empty(16)
     pb = np.empty(16)
     pea = np.zeros(16, dtype=np.bool_)
@@ -622,7 +651,6 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
             peb[n_pc] = True
             n_pc += 1
             continue
-        # the arc, cut 3 sd around the bump's direction so that its core gets its own pieces
         dlt = math.asin(min(1.0, kr * su / mu))
         core = min(dlt, 3.0 * su / mu)
         phi = math.atan2(o01, o00) % math.pi
@@ -638,12 +666,15 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
                     pea[n_pc] = lo == ta
                     peb[n_pc] = hi == tb
                     n_pc += 1
-    const = -0.5 * nt * (logdet_V + 2.0 * math.log(2.0 * math.pi))
-    u = np.empty(2)
-    w = np.empty(2)
-    M = -math.inf
-    # streamed sums (scaled by exp(-M)): S0, sum W^2, first moments of z - omega (row-major
-    # index k * T + t: 0, 1 = u; 2, 3 = w), second moments (lower triangle)
+    return R, r_lo, pa[:n_pc], pb[:n_pc], pea[:n_pc], peb[:n_pc]
+
+
+@njit(cache=True, fastmath={"contract", "reassoc"})
+def _polar_moments(wt, U, W, o00, o01, o10, o11, n, acc):
+    """acc += the streamed sums of the four sign pairs at nodes i < n (wt rows: weights of
+    (+u, +w), (+u, -w), (-u, +w), (-u, -w)): S0, sum W^2, first moments of z - omega (index
+    k * T + t: 0, 1 = u; 2, 3 = w) and second moments (lower triangle). Reassociation lets the
+    sums vectorise (order only: ~1e-16)."""
     s0 = 0.0
     sw2 = 0.0
     m0 = 0.0
@@ -660,151 +691,264 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     c31 = 0.0
     c32 = 0.0
     c33 = 0.0
-    for j in range(xr.shape[0]):
+    for i in range(n):
+        wpp = wt[0, i]
+        wpm = wt[1, i]
+        wmp = wt[2, i]
+        wmm = wt[3, i]
+        dp0 = U[0, i] - o00
+        dp1 = U[1, i] - o01
+        dm0 = -U[0, i] - o00
+        dm1 = -U[1, i] - o01
+        ep0 = W[0, i] - o10
+        ep1 = W[1, i] - o11
+        em0 = -W[0, i] - o10
+        em1 = -W[1, i] - o11
+        wp_ = wpp + wpm  # u-sign +, both w-signs
+        wm_ = wmp + wmm
+        w_p = wpp + wmp  # w-sign +, both u-signs
+        w_m = wpm + wmm
+        s0 += wp_ + wm_
+        sw2 += wpp * wpp + wpm * wpm + wmp * wmp + wmm * wmm
+        m0 += wp_ * dp0 + wm_ * dm0
+        m1 += wp_ * dp1 + wm_ * dm1
+        m2 += w_p * ep0 + w_m * em0
+        m3 += w_p * ep1 + w_m * em1
+        c00 += wp_ * dp0 * dp0 + wm_ * dm0 * dm0
+        c10 += wp_ * dp1 * dp0 + wm_ * dm1 * dm0
+        c11 += wp_ * dp1 * dp1 + wm_ * dm1 * dm1
+        c22 += w_p * ep0 * ep0 + w_m * em0 * em0
+        c32 += w_p * ep1 * ep0 + w_m * em1 * em0
+        c33 += w_p * ep1 * ep1 + w_m * em1 * em1
+        fp0 = wpp * ep0 + wpm * em0  # sum over w-signs, u-sign +
+        fp1 = wpp * ep1 + wpm * em1
+        fm0 = wmp * ep0 + wmm * em0
+        fm1 = wmp * ep1 + wmm * em1
+        c20 += fp0 * dp0 + fm0 * dm0
+        c21 += fp0 * dp1 + fm0 * dm1
+        c30 += fp1 * dp0 + fm1 * dm0
+        c31 += fp1 * dp1 + fm1 * dm1
+    acc[0] += s0
+    acc[1] += sw2
+    acc[2] += m0
+    acc[3] += m1
+    acc[4] += m2
+    acc[5] += m3
+    acc[6] += c00
+    acc[7] += c10
+    acc[8] += c11
+    acc[9] += c20
+    acc[10] += c21
+    acc[11] += c22
+    acc[12] += c30
+    acc[13] += c31
+    acc[14] += c32
+    acc[15] += c33
+
+
+@njit(cache=True, error_model="numpy")
+def _polar_log_weights(U, W, J, wrad, wpsi, o00, o01, o10, o11, p00, p01, p11, n, la, lb, lc, ld, flip):
+    """Per node i < n of a polar block: J <- the node weight wrad wpsi J (0 where det M = 0,
+    with w set to 0 there); the log prior weights of the four sign pairs (+-u, +-w) as
+    la, lb = the larger of the two w-signs for u-sign + and -, lc, ld = -|their difference|,
+    flip = whether the w-sign - is the larger. No reduction: the loop vectorises."""
+    for i in range(n):
+        ok = 0.0 <= J[i] < math.inf  # else det M = 0: a null set (skip c = 0)
+        w0 = W[0, i] if ok else 0.0
+        w1 = W[1, i] if ok else 0.0
+        W[0, i] = w0
+        W[1, i] = w1
+        J[i] = wrad * wpsi[i] * J[i] if ok else 0.0
+        dp0 = U[0, i] - o00
+        dp1 = U[1, i] - o01
+        dm0 = -U[0, i] - o00
+        dm1 = -U[1, i] - o01
+        ep0 = w0 - o10
+        ep1 = w1 - o11
+        em0 = -w0 - o10
+        em1 = -w1 - o11
+        qup = p00 * (dp0 * dp0 + dp1 * dp1)
+        qum = p00 * (dm0 * dm0 + dm1 * dm1)
+        qwp = p11 * (ep0 * ep0 + ep1 * ep1)
+        qwm = p11 * (em0 * em0 + em1 * em1)
+        lpp = -0.5 * (qup + qwp) - p01 * (dp0 * ep0 + dp1 * ep1)
+        lpm = -0.5 * (qup + qwm) - p01 * (dp0 * em0 + dp1 * em1)
+        lmp = -0.5 * (qum + qwp) - p01 * (dm0 * ep0 + dm1 * ep1)
+        lmm = -0.5 * (qum + qwm) - p01 * (dm0 * em0 + dm1 * em1)
+        flip[0, i] = lpp < lpm
+        flip[1, i] = lmp < lmm
+        la[i] = max(lpp, lpm)
+        lb[i] = max(lmp, lmm)
+        lc[i] = -abs(lpp - lpm)
+        ld[i] = -abs(lmp - lmm)
+
+
+@njit(cache=True, error_model="numpy")  # IEEE division: the node loops have no exception branch
+def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, crad, g_out, dg_out, extra):
+    """Two free indices u = z_1 (layer 1 tied, rank one, T = 2): mapped polar rule (default).
+
+    Symmetry: the first layer's logits beta u_a u_b are even in u, so u and -u give the same
+    mixing matrix, the same solved row w and the same Jacobian: one node of ``polar_rows``
+    serves the four points (+-u, +-w), and only the half plane 0 <= theta <= pi is visited.
+
+    Radius: rho = r^2 = crad (e^s - 1), Gauss-Legendre in s on [0, log(1 + R^2 / crad)] (xr, wr
+    on [-1, 1]), R = polar_radius(omega, V, kr): summed over +-u the integrand is analytic in
+    rho, and the logits grow like rho, so a logarithmic grading resolves every scale.
+    Angle: sectors cut on the lines where the attention switches (POLAR_ANGLES in [0, pi]),
+    each split in halves; from each edge psi = eps sinh(tau) with eps = kappa / (beta r^2),
+    Gauss-Legendre in tau on [0, asinh(half width / eps)] (xa, wa on [-1, 1]): the logit of
+    the switching row is about beta r^2 psi, so its layer (width ~1/(beta r^2)) is resolved by
+    the same nodes at every radius (Elliott-Johnston sinh map).
+
+    All nodes are processed at once, stage by stage, in loops that LLVM vectorises (``_vexp``,
+    ``_sincos``, the generated ``polar_rows``); the log-sum-exp shift is the exact maximum."""
+    nt = T
+    Vinv = np.empty((2, 2))
+    logdet_V = _precision(V, Vinv)
+    if logdet_V != logdet_V:
+        return STATUS_BAD_V
+    p00 = Vinv[0, 0]
+    p01 = Vinv[0, 1]
+    p11 = Vinv[1, 1]
+    diag = p01 == 0.0
+    o00 = omega[0, 0]
+    o01 = omega[0, 1]
+    o10 = omega[1, 0]
+    o11 = omega[1, 1]
+    R, r_lo, pa, pb, pea, peb = _polar_pieces(omega, V, kr)
+    n_pc = pa.shape[0]
+    rho_lo = r_lo * r_lo
+    c_eff = max(crad, rho_lo)  # logarithmic from the origin, about uniform in an annulus far out
+    beta = abs(polar_beta(params))
+    Slog = math.log1p((R * R - rho_lo) / c_eff)
+    na = xa.shape[0]
+    nr = xr.shape[0]
+    N = n_pc * 2 * na  # angle nodes per radius
+    NT = nr * N
+    # per angle node (pieces x ends x Gauss nodes): the end's angle (cos, sin), the direction
+    # into the piece, whether the end is mapped, the node in [0, 1] and half its weight
+    ce = np.empty(N)
+    se = np.empty(N)
+    dirn = np.empty(N)
+    mapd = np.zeros(N, dtype=np.bool_)
+    xk = np.empty(N)
+    wk = np.empty(N)
+    half = np.empty(N)
+    i = 0
+    for e in range(n_pc):
+        for side in range(2):
+            edge = pa[e] if side == 0 else pb[e]
+            for k in range(na):
+                ce[i] = math.cos(edge)
+                se[i] = math.sin(edge)
+                dirn[i] = 1.0 if side == 0 else -1.0
+                mapd[i] = pea[e] if side == 0 else peb[e]
+                xk[i] = 0.5 * (xa[k] + 1.0)
+                wk[i] = 0.5 * wa[k]
+                half[i] = 0.5 * (pb[e] - pa[e])
+                i += 1
+    # all nodes at once (radius-major, index j * N + i): one pass per stage over ~1e3 nodes,
+    # so the loops run in SIMD with little overhead, and the log-sum-exp shift is the exact
+    # maximum (no streaming)
+    buf = np.empty((10, NT))
+    tau, ex, tmp, psi, wpsi, J, la, lb, lc, ld = buf[0], buf[1], buf[2], buf[3], buf[4], buf[5], buf[6], buf[7], buf[8], buf[9]
+    sn = la  # (sin, cos of psi: dead before the log weights are written)
+    cs = lb
+    U = np.empty((2, NT))
+    W = np.empty((2, NT))
+    E = np.empty((POLAR_ROWS, NT))
+    wt = np.empty((4, NT))
+    flip = np.empty((2, NT), dtype=np.bool_)
+    rr = np.empty(nr)
+    epsr = np.empty(nr)
+    wradr = np.empty(nr)
+    for j in range(nr):
         sj = 0.5 * Slog * (xr[j] + 1.0)
-        esj = math.exp(sj)
         rho = rho_lo + c_eff * math.expm1(sj)
-        r = math.sqrt(rho)
-        wrad = 0.25 * Slog * wr[j] * c_eff * esj  # d(r^2) / 2 = r dr
-        eps = kappa / (beta * rho) if beta > 0.0 else math.inf
+        rr[j] = math.sqrt(rho)
+        wradr[j] = 0.25 * Slog * wr[j] * c_eff * math.exp(sj)  # d(r^2) / 2 = r dr
+        epsr[j] = kappa / (beta * rho) if beta > 0.0 else math.inf
+        o = j * N
         for e in range(n_pc):
-            ta = pa[e]
-            tb = pb[e]
-            half = 0.5 * (tb - ta)
-            ca = math.cos(ta)
-            sa = math.sin(ta)
-            cb = math.cos(tb)
-            sb = math.sin(tb)
-            Tm = math.asinh(half / eps) if eps < math.inf else 0.0
-            for k in range(xa.shape[0]):
-                # psi from the piece end: sinh-mapped next to a switching line, else plain
-                psi_l = 0.5 * half * (xa[k] + 1.0)
-                wpsi_l = 0.5 * half * wa[k]
-                psi_s = psi_l
-                wpsi_s = wpsi_l
-                if eps < math.inf and (pea[e] or peb[e]):
-                    em = math.expm1(0.5 * Tm * (xa[k] + 1.0))  # sinh, cosh without cancellation
-                    psi_s = eps * em * (2.0 + em) / (2.0 * (1.0 + em))
-                    wpsi_s = eps * (1.0 + em * em / (2.0 * (1.0 + em))) * 0.5 * Tm * wa[k]
-                cp_l = math.cos(psi_l) if not (pea[e] and peb[e]) else 0.0
-                sp_l = math.sin(psi_l) if not (pea[e] and peb[e]) else 0.0
-                cp_s = math.cos(psi_s) if (pea[e] or peb[e]) else 0.0
-                sp_s = math.sin(psi_s) if (pea[e] or peb[e]) else 0.0
-                for side in range(2):
-                    if pea[e] if side == 0 else peb[e]:
-                        wpsi = wpsi_s
-                        cp = cp_s
-                        sp_ = sp_s
-                    else:
-                        wpsi = wpsi_l
-                        cp = cp_l
-                        sp_ = sp_l
-                    if side == 0:  # theta = ta + psi
-                        u[0] = r * (ca * cp - sa * sp_)
-                        u[1] = r * (sa * cp + ca * sp_)
-                    else:  # theta = tb - psi
-                        u[0] = r * (cb * cp + sb * sp_)
-                        u[1] = r * (sb * cp - cb * sp_)
-                    J = polar_branch(u, obs, params, w)
-                    if not (0.0 <= J < math.inf):  # det M = 0: a null set (skip c = 0)
-                        continue
-                    base = wrad * wpsi * J
-                    # z = (sg u, sw w): quadratic form of each of the four sign pairs
-                    dp0 = u[0] - o00
-                    dp1 = u[1] - o01
-                    dm0 = -u[0] - o00
-                    dm1 = -u[1] - o01
-                    ep0 = w[0] - o10
-                    ep1 = w[1] - o11
-                    em0 = -w[0] - o10
-                    em1 = -w[1] - o11
-                    qup = p00 * (dp0 * dp0 + dp1 * dp1)
-                    qum = p00 * (dm0 * dm0 + dm1 * dm1)
-                    qwp = p11 * (ep0 * ep0 + ep1 * ep1)
-                    qwm = p11 * (em0 * em0 + em1 * em1)
-                    lpp = -0.5 * (qup + qwp) - p01 * (dp0 * ep0 + dp1 * ep1)
-                    lpm = -0.5 * (qup + qwm) - p01 * (dp0 * em0 + dp1 * em1)
-                    lmp = -0.5 * (qum + qwp) - p01 * (dm0 * ep0 + dm1 * ep1)
-                    lmm = -0.5 * (qum + qwm) - p01 * (dm0 * em0 + dm1 * em1)
-                    lmax = max(max(lpp, lpm), max(lmp, lmm))
-                    if lmax != lmax:
-                        return STATUS_NOT_FINITE
-                    if lmax > M:
-                        sc = math.exp(M - lmax) if M > -math.inf else 0.0
-                        M = lmax
-                        s0 *= sc
-                        sw2 *= sc * sc
-                        m0 *= sc
-                        m1 *= sc
-                        m2 *= sc
-                        m3 *= sc
-                        c00 *= sc
-                        c10 *= sc
-                        c11 *= sc
-                        c20 *= sc
-                        c21 *= sc
-                        c22 *= sc
-                        c30 *= sc
-                        c31 *= sc
-                        c32 *= sc
-                        c33 *= sc
-                    # four weights: per u-sign the larger one and exp(-difference) for the other
-                    # (the difference does not depend on the u-sign when V is diagonal: 3 exps)
-                    dlp = lpp - lpm
-                    dlm = lmp - lmm
-                    ep = math.exp(-abs(dlp))
-                    em_ = ep if diag else math.exp(-abs(dlm))
-                    hp = base * math.exp(max(lpp, lpm) - M)
-                    hm = base * math.exp(max(lmp, lmm) - M)
-                    if dlp >= 0.0:
-                        wpp = hp
-                        wpm = hp * ep
-                    else:
-                        wpm = hp
-                        wpp = hp * ep
-                    if dlm >= 0.0:
-                        wmp = hm
-                        wmm = hm * em_
-                    else:
-                        wmm = hm
-                        wmp = hm * em_
-                    wp_ = wpp + wpm  # u-sign +, both w-signs
-                    wm_ = wmp + wmm
-                    w_p = wpp + wmp  # w-sign +, both u-signs
-                    w_m = wpm + wmm
-                    s0 += wp_ + wm_
-                    sw2 += wpp * wpp + wpm * wpm + wmp * wmp + wmm * wmm
-                    m0 += wp_ * dp0 + wm_ * dm0
-                    m1 += wp_ * dp1 + wm_ * dm1
-                    m2 += w_p * ep0 + w_m * em0
-                    m3 += w_p * ep1 + w_m * em1
-                    c00 += wp_ * dp0 * dp0 + wm_ * dm0 * dm0
-                    c10 += wp_ * dp1 * dp0 + wm_ * dm1 * dm0
-                    c11 += wp_ * dp1 * dp1 + wm_ * dm1 * dm1
-                    c22 += w_p * ep0 * ep0 + w_m * em0 * em0
-                    c32 += w_p * ep1 * ep0 + w_m * em1 * em0
-                    c33 += w_p * ep1 * ep1 + w_m * em1 * em1
-                    fp0 = wpp * ep0 + wpm * em0  # sum over w-signs, u-sign +
-                    fp1 = wpp * ep1 + wpm * em1
-                    fm0 = wmp * ep0 + wmm * em0
-                    fm1 = wmp * ep1 + wmm * em1
-                    c20 += fp0 * dp0 + fm0 * dm0
-                    c21 += fp0 * dp1 + fm0 * dm1
-                    c30 += fp1 * dp0 + fm1 * dm0
-                    c31 += fp1 * dp1 + fm1 * dm1
-    S1 = np.array([m0, m1, m2, m3])
+            Tm = math.asinh(0.5 * (pb[e] - pa[e]) / epsr[j]) if epsr[j] < math.inf else 0.0
+            for i in range(e * 2 * na, (e + 1) * 2 * na):
+                tau[o + i] = Tm * xk[i] if mapd[i] else 0.0
+                wpsi[o + i] = Tm * wk[i]
+    _vexp(tau, ex, NT, tmp)
+    for j in range(nr):
+        o = j * N
+        eps = epsr[j]
+        for i in range(N):
+            # psi = eps sinh(tau) next to a switching line (the absolute error of (e - 1/e) / 2
+            # is ~1e-16), plain Gauss-Legendre at an inner end
+            e_ = ex[o + i]
+            ie = 1.0 / e_
+            m = mapd[i]
+            psi[o + i] = eps * 0.5 * (e_ - ie) if m else half[i] * xk[i]
+            wpsi[o + i] = eps * 0.5 * (e_ + ie) * wpsi[o + i] if m else half[i] * wk[i]
+    _sincos(psi, sn, cs, NT)
+    for j in range(nr):
+        o = j * N
+        r = rr[j]
+        for i in range(N):
+            sp_ = dirn[i] * sn[o + i]  # theta = edge +- psi
+            U[0, o + i] = r * (ce[i] * cs[o + i] - se[i] * sp_)
+            U[1, o + i] = r * (se[i] * cs[o + i] + ce[i] * sp_)
+    polar_rows(U, NT, obs, params, W, J, E, tmp)
+    for j in range(nr):
+        o = j * N
+        w_ = wradr[j]
+        for i in range(N):
+            wpsi[o + i] *= w_
+    _polar_log_weights(U, W, J, 1.0, wpsi, o00, o01, o10, o11, p00, p01, p11, NT, la, lb, lc, ld, flip)
+    # NaN check (lc, ld hold all four log weights) and the largest log weight: separate loops,
+    # so that the one above has no reduction and vectorises
+    nan = 0.0
+    for i in range(NT):
+        nan += lc[i] + ld[i]
+    if nan != nan:
+        return STATUS_NOT_FINITE
+    M = -math.inf
+    for i in range(NT):
+        if J[i] > 0.0:
+            M = max(M, max(la[i], lb[i]))
+    acc = np.zeros(16)
+    const = -0.5 * nt * (logdet_V + 2.0 * math.log(2.0 * math.pi))
+    if M > -math.inf:
+        for i in range(NT):
+            la[i] -= M
+            lb[i] -= M
+        _vexp(la, la, NT, tmp)
+        _vexp(lb, lb, NT, tmp)
+        _vexp(lc, lc, NT, tmp)
+        if diag:  # the w-sign difference does not depend on the u-sign
+            for i in range(NT):
+                ld[i] = lc[i]
+        else:
+            _vexp(ld, ld, NT, tmp)
+        for i in range(NT):
+            hp = J[i] * la[i]
+            hm = J[i] * lb[i]
+            wt[0, i] = hp * lc[i] if flip[0, i] else hp
+            wt[1, i] = hp if flip[0, i] else hp * lc[i]
+            wt[2, i] = hm * ld[i] if flip[1, i] else hm
+            wt[3, i] = hm if flip[1, i] else hm * ld[i]
+        _polar_moments(wt, U, W, o00, o01, o10, o11, NT, acc)
+    S1 = np.empty(4)
+    for q in range(4):
+        S1[q] = acc[2 + q]
     S2 = np.zeros((4, 4))
-    S2[0, 0] = c00
-    S2[1, 0] = c10
-    S2[1, 1] = c11
-    S2[2, 0] = c20
-    S2[2, 1] = c21
-    S2[2, 2] = c22
-    S2[3, 0] = c30
-    S2[3, 1] = c31
-    S2[3, 2] = c32
-    S2[3, 3] = c33
-    return _finish(M + const, s0, sw2, S1, S2, Vinv, g_out, dg_out, extra)
+    S2[0, 0] = acc[6]
+    S2[1, 0] = acc[7]
+    S2[1, 1] = acc[8]
+    S2[2, 0] = acc[9]
+    S2[2, 1] = acc[10]
+    S2[2, 2] = acc[11]
+    S2[3, 0] = acc[12]
+    S2[3, 1] = acc[13]
+    S2[3, 2] = acc[14]
+    S2[3, 3] = acc[15]
+    return _finish(M + const, acc[0], acc[1], S1, S2, Vinv, g_out, dg_out, extra)
 
 
 @njit(cache=True)

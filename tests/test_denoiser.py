@@ -1,7 +1,11 @@
 """Denoiser (theory sections 3 and 9): closed forms, identities, robustness, ground truth."""
 
+import math
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import l2t2_reference
 from scipy import integrate
 from scipy.special import log_ndtr
@@ -262,6 +266,7 @@ def test_two_layer_default_denoiser_matches_independent_quadrature():
     _check_against_nquad(points=1, den=load("attention_L2_T2", skip=1.0).denoiser(), tol=1e-8)
 
 
+@pytest.mark.slow  # (nquad: about a minute; the default run keeps the default-denoiser check above)
 def test_two_layer_gauss_hermite_matches_independent_quadrature():
     _check_against_nquad(points=1, den=load("attention_L2_T2", skip=1.0).denoiser(nodes=192), tol=1e-8)
 
@@ -309,6 +314,7 @@ def test_error_estimate_and_tolerance_against_a_finer_rule():
     assert np.all(actual(refined) <= 1e-8), actual(refined)
 
 
+@pytest.mark.slow  # (nquad: about a minute each; the default run checks these regimes against a finer rule)
 @pytest.mark.parametrize("regime", [2, 3])
 def test_mapped_polar_rule_matches_independent_quadrature_in_a_sharp_regime(regime):
     """The mapped polar rule under the default error control (Gauss-Hermite never accepted) against
@@ -360,6 +366,49 @@ def test_mapped_polar_rule_vectorised_equals_scalar_loop():
             one = den(y[i], om[i], Vs if shared else V[i])
             assert np.array_equal(one.g_out, batch.g_out[i]) and np.array_equal(one.dg_out, batch.dg_out[i])
             assert np.array_equal(one.log_z_out, batch.log_z_out[i])
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), c=st.sampled_from([0.05, 0.5, 1.0, 3.0]),
+       scale=st.sampled_from([0.01, 1.0, 6.0, 30.0]))
+def test_polar_rows_equals_polar_branch_per_node(seed, c, scale):
+    """The vectorised block kernel (SIMD exps) == the scalar generated kernel, node by node,
+    including nodes on and next to the switching lines u1 = 0, u2 = 0, u1 = u2."""
+    k = load("attention_L2_T2", skip=c).denoiser().kernels
+    rng = np.random.default_rng(seed)
+    U = rng.standard_normal((2, 40)) * scale
+    U[0, :5] = 0.0
+    U[1, 5:10] = U[0, 5:10] + rng.standard_normal(5) * 1e-9
+    obs = rng.standard_normal(2) * 2.0
+    params = np.array([c])
+    W, J, E, tmp = np.empty((2, 40)), np.empty(40), np.empty((k.POLAR_ROWS, 40)), np.empty(40)
+    k.polar_rows(U, 40, obs, params, W, J, E, tmp)
+    w = np.empty(2)
+    for i in range(40):
+        Ji = k.polar_branch(np.ascontiguousarray(U[:, i]), obs, params, w)
+        assert J[i] == pytest.approx(Ji, rel=1e-13)
+        assert np.allclose(W[:, i], w, rtol=1e-12, atol=1e-13 * np.abs(w).max())
+
+
+def test_simd_exp_and_sincos_match_libm():
+    """_vexp: relative error < 5e-16 on [-708, 709] (including the ends and integers k ln 2),
+    clipped outside; _sincos: < 2e-16 absolute on [-pi/4, pi/4]."""
+    k = load("attention_L2_T2", skip=1.0).denoiser().kernels
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.uniform(-708, 709, 20000), rng.uniform(-1, 1, 5000), np.arange(-1021, 1023) * math.log(2),
+                        [-708.0, 709.0, 0.0, -0.0, 1e-300, -1e-18]])
+    x = x[(x >= -708) & (x <= 709)]
+    out, tmp = np.empty_like(x), np.empty_like(x)
+    k._vexp(x, out, len(x), tmp)
+    assert np.max(np.abs(out / np.exp(x) - 1)) < 5e-16
+    big = np.array([-1e4, 1e4, -800.0])
+    o2 = np.empty(3)
+    k._vexp(big, o2, 3, np.empty(3))
+    assert np.allclose(o2, np.exp([-708.0, 709.0, -708.0]), rtol=1e-15)
+    t = np.linspace(-math.pi / 4, math.pi / 4, 4001)
+    s, cs = np.empty_like(t), np.empty_like(t)
+    k._sincos(t, s, cs, len(t))
+    assert np.max(np.abs(s - np.sin(t))) < 2e-16 and np.max(np.abs(cs - np.cos(t))) < 2e-16
 
 
 def test_polar_map_is_validated():
