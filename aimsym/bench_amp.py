@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from .plot import save_figure
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -139,7 +141,7 @@ def _final_points(model, alphas, *, d, seeds, seed, lam, max_iter, tol=1e-4, den
 
 def _save(fig, path):
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path, dpi=100)
     import matplotlib.pyplot as plt
 
     plt.close(fig)

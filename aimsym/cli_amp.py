@@ -89,6 +89,9 @@ def _emit(args, result, lines):
 
         from .cli import _to_builtin
 
+        from pathlib import Path
+
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         with open(args.output, "w") as fh:
             json.dump(result, fh, indent=2, default=_to_builtin)
     if args.json:

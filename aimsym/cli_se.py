@@ -148,7 +148,10 @@ def cmd_phase_diagram(args) -> int:
                        samples=args.samples, replicas=args.replicas, stair_samples=args.stair_samples,
                        se_samples=args.se_samples, seed=args.seed, nodes=args.nodes,
                        staircase=not args.no_staircase)
-    if args.out:
+    if args.out:  # (parent folders are created: a long computation is not lost to a typo)
+        from pathlib import Path
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as fh:
             json.dump(pd, fh, indent=1)
     if args.figure:

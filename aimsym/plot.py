@@ -18,6 +18,14 @@ def _plt():
     return plt
 
 
+def save_figure(fig, out, dpi: int = 130):
+    """Save (creating the parent folders, so an --out in a new folder does not lose the run)."""
+    from pathlib import Path
+
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+
+
 def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title: str = ""):
     """Diagonal overlaps Q_kk (layer k + 1) vs alpha, error bars, threshold lines, shaded phases."""
     plt = _plt()
@@ -40,7 +48,7 @@ def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title:
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=130)
+    save_figure(fig, out)
     plt.close(fig)
 
 
@@ -79,7 +87,7 @@ def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None 
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=130)
+    save_figure(fig, out)
     plt.close(fig)
 
 

@@ -223,20 +223,20 @@ def test_phase_diagram_point_at_zero_skip_and_plot(tmp_path):
     from aimsym import plot
 
     rows = th.phase_rows({"parameter": "skip", "points": [pt, {**pt, "skip": 1.0}]})
-    plot.phase_diagram(rows, tmp_path / "pd.png")
-    assert (tmp_path / "pd.png").stat().st_size > 1000
+    plot.phase_diagram(rows, tmp_path / "new" / "folder" / "pd.png")  # (parent folders are created)
+    assert (tmp_path / "new" / "folder" / "pd.png").stat().st_size > 1000
 
 
 def test_cli_phase_diagram_small(tmp_path):
     out = subprocess.run([sys.executable, "-m", "aimsym.cli", "thresholds", str(DER / "attention_L2_T2.toml"),
                           "--over", "skip=1,4", "--samples", "2048", "--no-staircase", "--workers", "1",
-                          "--out", str(tmp_path / "pd.json"), "--figure", str(tmp_path / "pd.png"), "--json"],
+                          "--out", str(tmp_path / "new" / "pd.json"), "--figure", str(tmp_path / "fig" / "pd.png"), "--json"],
                          capture_output=True, text=True, check=True)
     d = json.loads(out.stdout)
     assert [p["skip"] for p in d["points"]] == [1.0, 4.0]
     a1, a4 = (p["staircase"][0]["alpha"] for p in d["points"])
-    assert a4 < a1 and (tmp_path / "pd.png").is_file()
-    assert json.load(open(tmp_path / "pd.json"))["parameter"] == "skip"
+    assert a4 < a1 and (tmp_path / "fig" / "pd.png").is_file()  # new folders are created
+    assert json.load(open(tmp_path / "new" / "pd.json"))["parameter"] == "skip"
 
 
 def test_cli_thresholds_json_small():

@@ -7,6 +7,8 @@ import os
 
 import numpy as np
 
+from ..plot import save_figure
+
 FIGURES = ("softmax", "tokens", "hardmax", "small_width", "amp", "deep")
 
 
@@ -23,7 +25,7 @@ def _plt():
 def _save(fig, out, name, meta):
     path = os.path.join(out, f"aim_{name}.png")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     # the numbers behind the points go to stdout (the docs quote them), not next to the PNG
     print(json.dumps({"figure": path, "data": meta}, default=float))
     return path

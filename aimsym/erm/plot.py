@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from ..plot import save_figure
 from .params import ERMParams
 from .se import Accuracy, curve, fixed_point
 from .spectrum import ks_distance, spectrum
@@ -124,6 +125,6 @@ def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, qu
     else:
         raise ValueError(figure)
     fig.tight_layout()
-    fig.savefig(out, dpi=80)
+    save_figure(fig, out, dpi=80)
     plt.close(fig)
     return out
