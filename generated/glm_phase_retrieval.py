@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+cdb54cbc09
+generator: 0.1.0+165bc1b96c
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+cdb54cbc09'
+GENERATOR_VERSION = '0.1.0+165bc1b96c'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1
@@ -870,7 +870,8 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
         epsr[j] = kappa / (beta * rho) if beta > 0.0 else math.inf
         o = j * N
         for e in range(n_pc):
-            Tm = math.asinh(0.5 * (pb[e] - pa[e]) / epsr[j]) if epsr[j] < math.inf else 0.0
+            x = 0.5 * (pb[e] - pa[e]) / epsr[j]  # asinh(x) for x >= 0 by log (libm's asinh is slow)
+            Tm = math.log(x + math.sqrt(x * x + 1.0)) if epsr[j] < math.inf else 0.0
             for i in range(e * 2 * na, (e + 1) * 2 * na):
                 tau[o + i] = Tm * xk[i] if mapd[i] else 0.0
                 wpsi[o + i] = Tm * wk[i]
