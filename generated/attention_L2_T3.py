@@ -2,7 +2,7 @@
 
 model: attention_L2_T3
 spec hash: b0844d41f655f71c
-generator: 0.1.0+165bc1b96c
+generator: 0.1.0+ca0f70e899
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'b0844d41f655f71c'
-GENERATOR_VERSION = '0.1.0+165bc1b96c'
+GENERATOR_VERSION = '0.1.0+ca0f70e899'
 NAME = 'attention_L2_T3'
 P = 2
 T = 3
@@ -1013,7 +1013,6 @@ def _vexp(x, out, n, tmp):
         tmp[i] = k + 4503599627371519.0  # k + 1023 + 2^52
     for i in range(n):
         bits[i] = bits[i] << 52
-    for i in range(n):
         out[i] *= tmp[i]
 
 

@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: ca1478c005423335
-generator: 0.1.0+165bc1b96c
+generator: 0.1.0+ca0f70e899
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'ca1478c005423335'
-GENERATOR_VERSION = '0.1.0+165bc1b96c'
+GENERATOR_VERSION = '0.1.0+ca0f70e899'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2
@@ -3275,7 +3275,6 @@ def _vexp(x, out, n, tmp):
         tmp[i] = k + 4503599627371519.0  # k + 1023 + 2^52
     for i in range(n):
         bits[i] = bits[i] << 52
-    for i in range(n):
         out[i] *= tmp[i]
 
 

@@ -2,7 +2,7 @@
 
 model: attention_hardmax_L1_T2
 spec hash: f90cb13227cdef10
-generator: 0.1.0+165bc1b96c
+generator: 0.1.0+ca0f70e899
 denoiser path: exact (hardmax, one layer, T = 2: region constraint (union of wedges), closed form)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'f90cb13227cdef10'
-GENERATOR_VERSION = '0.1.0+165bc1b96c'
+GENERATOR_VERSION = '0.1.0+ca0f70e899'
 NAME = 'attention_hardmax_L1_T2'
 P = 1
 T = 2
@@ -640,7 +640,6 @@ def _vexp(x, out, n, tmp):
         tmp[i] = k + 4503599627371519.0  # k + 1023 + 2^52
     for i in range(n):
         bits[i] = bits[i] << 52
-    for i in range(n):
         out[i] *= tmp[i]
 
 

@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+165bc1b96c
+generator: 0.1.0+ca0f70e899
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+165bc1b96c'
+GENERATOR_VERSION = '0.1.0+ca0f70e899'
 NAME = 'gaussian_channel'
 P = 1
 T = 1
@@ -601,7 +601,6 @@ def _vexp(x, out, n, tmp):
         tmp[i] = k + 4503599627371519.0  # k + 1023 + 2^52
     for i in range(n):
         bits[i] = bits[i] << 52
-    for i in range(n):
         out[i] *= tmp[i]
 
 

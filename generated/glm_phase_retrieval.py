@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+165bc1b96c
+generator: 0.1.0+ca0f70e899
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+165bc1b96c'
+GENERATOR_VERSION = '0.1.0+ca0f70e899'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1
@@ -604,7 +604,6 @@ def _vexp(x, out, n, tmp):
         tmp[i] = k + 4503599627371519.0  # k + 1023 + 2^52
     for i in range(n):
         bits[i] = bits[i] << 52
-    for i in range(n):
         out[i] *= tmp[i]
 
 

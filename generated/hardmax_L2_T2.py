@@ -2,7 +2,7 @@
 
 model: hardmax_L2_T2
 spec hash: 7508f35d33687fef
-generator: 0.1.0+165bc1b96c
+generator: 0.1.0+ca0f70e899
 denoiser path: exact (hardmax last layer after a tied rank-one first layer, T = 2: region constraint (z_2 in a union of wedges depending on z_1), 2-D integral over z_1)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '7508f35d33687fef'
-GENERATOR_VERSION = '0.1.0+165bc1b96c'
+GENERATOR_VERSION = '0.1.0+ca0f70e899'
 NAME = 'hardmax_L2_T2'
 P = 2
 T = 2
@@ -749,7 +749,6 @@ def _vexp(x, out, n, tmp):
         tmp[i] = k + 4503599627371519.0  # k + 1023 + 2^52
     for i in range(n):
         bits[i] = bits[i] << 52
-    for i in range(n):
         out[i] *= tmp[i]
 
 
