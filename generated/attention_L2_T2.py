@@ -2,7 +2,7 @@
 
 model: attention_L2_T2
 spec hash: 2161f6543159659e
-generator: 0.1.0+ca0f70e899
+generator: 0.1.0+d177d6021a
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '2161f6543159659e'
-GENERATOR_VERSION = '0.1.0+ca0f70e899'
+GENERATOR_VERSION = '0.1.0+d177d6021a'
 NAME = 'attention_L2_T2'
 P = 2
 T = 2
@@ -61,19 +61,18 @@ def _sign(x):
     return 1.0 if x > 0.0 else (-1.0 if x < 0.0 else 0.0)
 
 
-@njit(cache=True)
-def _softmax2(d):
-    """Row softmax of the logits (0, d): one exp, no overflow."""
-    e = math.exp(-abs(d))
-    big = 1.0 / (1.0 + e)
-    return (big, e * big) if d <= 0.0 else (e * big, big)
-
-
 @njit(cache=True, error_model="numpy")
 def _softmax2e(d, e):
-    """_softmax2 with e = exp(-|d|) given (computed in SIMD by the caller)."""
+    """Row softmax of the logits (0, d) from e = exp(-|d|): no overflow."""
     big = 1.0 / (1.0 + e)
     return (big, e * big) if d <= 0.0 else (e * big, big)
+
+
+@njit(cache=True)
+def _softmax2(d):
+    """Row softmax of the logits (0, d): one exp (``polar_rows`` computes the exps in SIMD
+    and calls _softmax2e)."""
+    return _softmax2e(d, math.exp(-abs(d)))
 
 
 
