@@ -471,6 +471,7 @@ def module_source(spec: Spec) -> str:
         f"FREE_T = np.array({[t for _, t in free]!r}, dtype=np.int64)",
         f"FREE_LOG = np.array({[int(i in (red.log_free if red else [])) for i in range(len(free))]!r}, dtype=np.int64)",
         f"POLAR_ANGLES = np.array({_polar_angles(spec, d)!r}, dtype=np.float64)",
+        f"HAS_POLAR = {bool(_polar_angles(spec, d))}  # a compile-time constant: models without the polar rule skip compiling it",
         f"EVEN_ROWS = {tuple(tuple(s['rows']) for s in d.symmetries if s['name'] != 'Z -> -Z')!r}",
         "",
         "",

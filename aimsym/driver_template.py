@@ -2,7 +2,7 @@
 (below the marker) so that numba caches it together with the model's scalar kernels.
 
 It relies on the generated names ``branch``, ``polar_rows``, ``POLAR_ROWS``, ``polar_beta``,
-``last_beta``, ``P``, ``T``, ``INTEGRAL_DIM``, ``FREE_K``, ``FREE_T``, ``POLAR_ANGLES``,
+``HAS_POLAR``, ``last_beta``, ``P``, ``T``, ``INTEGRAL_DIM``, ``FREE_K``, ``FREE_T``, ``POLAR_ANGLES``,
 ``N_BRANCHES``, ``OBS_KIND`` and ``LAST_ACTIVATION``. This file is not imported by the
 package; it only has to be valid Python so that linters and the generator can read it.
 """
@@ -873,7 +873,7 @@ def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt
     for i in prange(n):
         Vi = V[0] if shared else V[i]
         extra[i, 2] = math.nan
-        if use_polar:
+        if HAS_POLAR and use_polar:  # (HAS_POLAR is a constant: numba prunes the branch)
             if nodes_k.shape[0] > 0 and gh_plausible(omega[i], Vi):
                 st = denoise_one(obs[i], omega[i], Vi, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
                                  g_out[i], dg_out[i], extra[i])

@@ -2,7 +2,7 @@
 
 model: attention_L2_T2
 spec hash: 2161f6543159659e
-generator: 0.1.0+d177d6021a
+generator: 0.1.0+4bf09166cb
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '2161f6543159659e'
-GENERATOR_VERSION = '0.1.0+d177d6021a'
+GENERATOR_VERSION = '0.1.0+4bf09166cb'
 NAME = 'attention_L2_T2'
 P = 2
 T = 2
@@ -48,6 +48,7 @@ FREE_K = np.array([0, 0], dtype=np.int64)
 FREE_T = np.array([0, 1], dtype=np.int64)
 FREE_LOG = np.array([0, 0], dtype=np.int64)
 POLAR_ANGLES = np.array([0.0, 0.7853981633974483, 1.5707963267948966, 3.141592653589793, 3.9269908169872414, 4.71238898038469, 6.283185307179586], dtype=np.float64)
+HAS_POLAR = True  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,), (1,))
 
 
@@ -1187,7 +1188,7 @@ def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt
     for i in prange(n):
         Vi = V[0] if shared else V[i]
         extra[i, 2] = math.nan
-        if use_polar:
+        if HAS_POLAR and use_polar:  # (HAS_POLAR is a constant: numba prunes the branch)
             if nodes_k.shape[0] > 0 and gh_plausible(omega[i], Vi):
                 st = denoise_one(obs[i], omega[i], Vi, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
                                  g_out[i], dg_out[i], extra[i])

@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+d177d6021a
+generator: 0.1.0+4bf09166cb
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+d177d6021a'
+GENERATOR_VERSION = '0.1.0+4bf09166cb'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1
@@ -41,6 +41,7 @@ FREE_K = np.array([], dtype=np.int64)
 FREE_T = np.array([], dtype=np.int64)
 FREE_LOG = np.array([], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
+HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,),)
 
 
@@ -999,7 +1000,7 @@ def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt
     for i in prange(n):
         Vi = V[0] if shared else V[i]
         extra[i, 2] = math.nan
-        if use_polar:
+        if HAS_POLAR and use_polar:  # (HAS_POLAR is a constant: numba prunes the branch)
             if nodes_k.shape[0] > 0 and gh_plausible(omega[i], Vi):
                 st = denoise_one(obs[i], omega[i], Vi, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
                                  g_out[i], dg_out[i], extra[i])

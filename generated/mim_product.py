@@ -2,7 +2,7 @@
 
 model: mim_product
 spec hash: 256c784af7e77580
-generator: 0.1.0+d177d6021a
+generator: 0.1.0+4bf09166cb
 denoiser path: exact (solved y = g(Z) for z_1_0 (1 branch))
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '256c784af7e77580'
-GENERATOR_VERSION = '0.1.0+d177d6021a'
+GENERATOR_VERSION = '0.1.0+4bf09166cb'
 NAME = 'mim_product'
 P = 2
 T = 1
@@ -41,6 +41,7 @@ FREE_K = np.array([0], dtype=np.int64)
 FREE_T = np.array([0], dtype=np.int64)
 FREE_LOG = np.array([1], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
+HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ()
 
 
@@ -1005,7 +1006,7 @@ def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt
     for i in prange(n):
         Vi = V[0] if shared else V[i]
         extra[i, 2] = math.nan
-        if use_polar:
+        if HAS_POLAR and use_polar:  # (HAS_POLAR is a constant: numba prunes the branch)
             if nodes_k.shape[0] > 0 and gh_plausible(omega[i], Vi):
                 st = denoise_one(obs[i], omega[i], Vi, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
                                  g_out[i], dg_out[i], extra[i])
