@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_untied
 spec hash: d8a6e2bfe6d0f663
-generator: 0.1.0+4bf09166cb
+generator: 0.1.0+0eafe5b453
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: last layer untied (needs tied query/key))
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'd8a6e2bfe6d0f663'
-GENERATOR_VERSION = '0.1.0+4bf09166cb'
+GENERATOR_VERSION = '0.1.0+0eafe5b453'
 NAME = 'attention_L2_T2_untied'
 P = 4
 T = 2
@@ -1051,12 +1051,13 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     for j in range(nr):
         o = j * N
         eps = epsr[j]
+        sinh_map = eps < math.inf  # (beta = 0: no switching layer, plain Gauss-Legendre)
         for i in range(N):
             # psi = eps sinh(tau) next to a switching line (the absolute error of (e - 1/e) / 2
             # is ~1e-16), plain Gauss-Legendre at an inner end
             e_ = ex[o + i]
             ie = 1.0 / e_
-            m = mapd[i]
+            m = mapd[i] and sinh_map
             psi[o + i] = eps * 0.5 * (e_ - ie) if m else half[i] * xk[i]
             wpsi[o + i] = eps * 0.5 * (e_ + ie) * wpsi[o + i] if m else half[i] * wk[i]
     _sincos(psi, sn, cs, NT)

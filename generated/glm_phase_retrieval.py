@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+4bf09166cb
+generator: 0.1.0+0eafe5b453
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+4bf09166cb'
+GENERATOR_VERSION = '0.1.0+0eafe5b453'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1
@@ -878,12 +878,13 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     for j in range(nr):
         o = j * N
         eps = epsr[j]
+        sinh_map = eps < math.inf  # (beta = 0: no switching layer, plain Gauss-Legendre)
         for i in range(N):
             # psi = eps sinh(tau) next to a switching line (the absolute error of (e - 1/e) / 2
             # is ~1e-16), plain Gauss-Legendre at an inner end
             e_ = ex[o + i]
             ie = 1.0 / e_
-            m = mapd[i]
+            m = mapd[i] and sinh_map
             psi[o + i] = eps * 0.5 * (e_ - ie) if m else half[i] * xk[i]
             wpsi[o + i] = eps * 0.5 * (e_ + ie) * wpsi[o + i] if m else half[i] * wk[i]
     _sincos(psi, sn, cs, NT)

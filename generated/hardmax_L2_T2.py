@@ -2,7 +2,7 @@
 
 model: hardmax_L2_T2
 spec hash: 7508f35d33687fef
-generator: 0.1.0+4bf09166cb
+generator: 0.1.0+0eafe5b453
 denoiser path: exact (hardmax last layer after a tied rank-one first layer, T = 2: region constraint (z_2 in a union of wedges depending on z_1), 2-D integral over z_1)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '7508f35d33687fef'
-GENERATOR_VERSION = '0.1.0+4bf09166cb'
+GENERATOR_VERSION = '0.1.0+0eafe5b453'
 NAME = 'hardmax_L2_T2'
 P = 2
 T = 2
@@ -1023,12 +1023,13 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     for j in range(nr):
         o = j * N
         eps = epsr[j]
+        sinh_map = eps < math.inf  # (beta = 0: no switching layer, plain Gauss-Legendre)
         for i in range(N):
             # psi = eps sinh(tau) next to a switching line (the absolute error of (e - 1/e) / 2
             # is ~1e-16), plain Gauss-Legendre at an inner end
             e_ = ex[o + i]
             ie = 1.0 / e_
-            m = mapd[i]
+            m = mapd[i] and sinh_map
             psi[o + i] = eps * 0.5 * (e_ - ie) if m else half[i] * xk[i]
             wpsi[o + i] = eps * 0.5 * (e_ + ie) * wpsi[o + i] if m else half[i] * wk[i]
     _sincos(psi, sn, cs, NT)

@@ -411,6 +411,20 @@ def test_simd_exp_and_sincos_match_libm():
     assert np.max(np.abs(s - np.sin(t))) < 2e-16 and np.max(np.abs(cs - np.cos(t))) < 2e-16
 
 
+def test_mapped_polar_rule_with_uniform_first_layer_attention():
+    """First-layer beta = 0 (no switching layer, eps = inf): the mapped rule falls back to plain
+    Gauss-Legendre angles and agrees with the Legendre rule (was NaN -> a bogus omega error)."""
+    spec = S.make_attention(tokens=2, layers=2, beta=["b1", 1.0], skip="c", name="l2t2_beta1")
+    m = aimsym.load(spec, b1=0.0, c=1.0)
+    rng = np.random.default_rng(12)
+    Z, y = m.sample(4, rng)
+    om, V = 0.5 * Z, np.array([[1.0, 0.2], [0.2, 0.8]])
+    a = m.denoiser(polar=(12, 32), tol=None, check_tol=0.0)(y, om, V)
+    b = m.denoiser(polar=(24, 64), tol=None, check_tol=0.0, polar_map="legendre")(y, om, V)
+    assert a.polar.all() and np.all(np.isfinite(a.g_out))
+    assert np.allclose(a.g_out, b.g_out, rtol=0, atol=1e-9 * max(1.0, np.abs(b.g_out).max()))
+
+
 def test_polar_map_is_validated():
     m = load("attention_L2_T2", skip=1.0)
     with pytest.raises(ChannelError, match="polar_map"):
