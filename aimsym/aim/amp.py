@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import AimsymError
 from ..provenance import provenance
-from .channels import entry_weights, make_channel, pairs, to_vector
+from .channels import entry_weights, make_channel, pairs, to_matrix, to_vector
 from .spectral import prior_second_moment, rie_map, rie_mmse
 
 
@@ -122,11 +122,7 @@ def _index(data, M, tokens):
     """Index matrices (n, T, T) of the matrix M for the data's sensing matrices."""
     if data.sensing == "rank1":
         return index_matrices(M, data.X)
-    h = np.einsum("nkij,ij->nk", data.X, M, optimize=True)
-    H = np.empty((h.shape[0], tokens, tokens))
-    for k, (a, b) in enumerate(pairs(tokens)):
-        H[:, a, b] = H[:, b, a] = h[:, k]
-    return H
+    return to_matrix(np.einsum("nkij,ij->nk", data.X, M, optimize=True), tokens)
 
 
 def _adjoint(data, G_vec, tokens):
@@ -643,6 +639,28 @@ def finite_size_series(alpha, rho=0.5, plan=((60, 8), (100, 8)), tokens=2, activ
     return records
 
 
+def _goe(d, rng):
+    """(A + A^T) / sqrt(2 d), A standard normal: the GOE noise of unit Delta that the SE assumes."""
+    A = rng.standard_normal((d, d))
+    return (A + A.T) / np.sqrt(2 * d)
+
+
+def _gamp_noise(ch, d, n, V, rng):
+    """GAMP's own effective noise of the prior step at size d: (1/A) sum_mu g_mu . X_mu over n
+    fresh rank-one sensing matrices X (n, d, T), g = ch.denoise at residuals h - omega ~ N(0, w V)
+    (independent of the teacher), A = -(1/d) sum w dg. Its variance is V / (c_T alpha) (A is
+    deterministic here) but it is a sum of ~2n rank-one matrices, not a GOE matrix. Returns the
+    noise matrix and A."""
+    T = ch.tokens
+    w = entry_weights(T)
+    X = rng.standard_normal((n, d, T))
+    omega = rng.standard_normal((n, len(w))) * np.sqrt(w)
+    h = omega + rng.standard_normal((n, len(w))) * np.sqrt(w * V)
+    g, dg = ch.denoise(ch.sample(to_matrix(h, T)), omega, V)
+    A = -np.sum(dg * w) / d
+    return adjoint(X, g, T) / A, A
+
+
 def rie_finite_size(Delta, rho, d, samples, seed=0):
     """Finite-d error of the prior (RIE) step alone: R = S + sqrt(Delta) GOE at size d (S the
     finite-d teacher), E ||RIE(R) - S||^2 / d over ``samples`` draws, against m(Delta).
@@ -654,9 +672,7 @@ def rie_finite_size(Delta, rho, d, samples, seed=0):
     e = np.empty(int(samples))
     for i in range(len(e)):
         S, _ = teacher(d, rho, rng)
-        A = rng.standard_normal((d, d))
-        R = S + np.sqrt(Delta) * (A + A.T) / np.sqrt(2 * d)
-        e[i] = np.sum((rie_denoise(R, rho, Delta) - S) ** 2) / d
+        e[i] = np.sum((rie_denoise(S + np.sqrt(Delta) * _goe(d, rng), rho, Delta) - S) ** 2) / d
     sem = float(e.std(ddof=1) / np.sqrt(len(e)))
     return {"d": int(d), "samples": len(e), "Delta": float(Delta), "m": m, "mmse": float(e.mean()),
             "mmse_sem": sem, "kappa": float((e.mean() / m - 1) * d), "kappa_sem": sem / m * d}
@@ -679,27 +695,17 @@ def prior_step_finite_size(alpha, rho, d, samples, seed=0, tokens=2):
 
     ch = make_channel("softmax", tokens, 1.0)
     T = ch.tokens
-    w = entry_weights(T)
     V = se.solve(alpha, rho, T, "softmax").mmse
     Delta = V / (counting_constant(T, "softmax") * alpha)
     m = rie_mmse(Delta, rho)
     d, n = check_size(d, alpha, rho)
     rng = np.random.default_rng(seed)
     e_goe, e_amp = np.empty(int(samples)), np.empty(int(samples))
-    pr = pairs(T)
     for i in range(len(e_goe)):
         S, _ = teacher(d, rho, rng)
-        A0 = rng.standard_normal((d, d))
-        e_goe[i] = np.sum((rie_denoise(S + np.sqrt(Delta) * (A0 + A0.T) / np.sqrt(2 * d), rho, Delta) - S) ** 2) / d
-        X = rng.standard_normal((n, d, T))
-        omega = rng.standard_normal((n, len(w))) * np.sqrt(w)
-        h = omega + rng.standard_normal((n, len(w))) * np.sqrt(w * V)
-        H = np.empty((n, T, T))
-        for k, (a, b) in enumerate(pr):
-            H[:, a, b] = H[:, b, a] = h[:, k]
-        g, dg = ch.denoise(ch.sample(H), omega, V)
-        A = -np.sum(dg * w) / d
-        e_amp[i] = np.sum((rie_denoise(S + adjoint(X, g, T) / A, rho, d / (2 * A)) - S) ** 2) / d
+        e_goe[i] = np.sum((rie_denoise(S + np.sqrt(Delta) * _goe(d, rng), rho, Delta) - S) ** 2) / d
+        N, A = _gamp_noise(ch, d, n, V, rng)
+        e_amp[i] = np.sum((rie_denoise(S + N, rho, d / (2 * A)) - S) ** 2) / d
     amp_factor = se_amplification(alpha, rho, T)[2]
     sq = np.sqrt(len(e_goe))
     out = {"alpha": float(alpha), "rho": float(rho), "d": int(d), "samples": len(e_goe), "Delta": Delta, "m": m,
@@ -719,7 +725,7 @@ def finite_d_se(alpha, rho, d, samples, noise="amp", seed=0, batches=4, tokens=2
         F(V) = E ||RIE(S + sqrt(V) N_1; rho, V / (c_T alpha)) - S||^2 / d,
 
     S the finite-d teacher and N_1 the unit-V noise: "goe" (sqrt(1/(c_T alpha)) GOE) or "amp"
-    (GAMP's own noise (1/A) sum g.X built as in ``prior_step_finite_size`` at V = 1; for softmax it
+    (GAMP's own noise (1/A) sum g.X, ``_gamp_noise`` at V = 1; for softmax it
     scales exactly as sqrt(V) and Delta = V / (c_T alpha)). Common random numbers make F smooth in
     V; the root is found by Brent per batch of draws. Returns the mean fixed point over ``batches``
     and its standard error (spread of the batches): the nonlinear prediction of the AMP error at d,
@@ -733,26 +739,13 @@ def finite_d_se(alpha, rho, d, samples, noise="amp", seed=0, batches=4, tokens=2
         raise AimsymError("noise", f"must be 'amp' or 'goe', got {noise!r}")
     ch = make_channel("softmax", tokens, 1.0)
     T = ch.tokens
-    w = entry_weights(T)
     c = counting_constant(T, "softmax")
     d, n = check_size(d, alpha, rho)
     rng = np.random.default_rng(seed)
-    pr = pairs(T)
     draws = []
     for _ in range(int(samples)):
         S, _ = teacher(d, rho, rng)
-        if noise == "goe":
-            A0 = rng.standard_normal((d, d))
-            N1 = np.sqrt(1.0 / (c * alpha)) * (A0 + A0.T) / np.sqrt(2 * d)
-        else:
-            X = rng.standard_normal((n, d, T))
-            omega = rng.standard_normal((n, len(w))) * np.sqrt(w)
-            h = omega + rng.standard_normal((n, len(w))) * np.sqrt(w)
-            H = np.empty((n, T, T))
-            for k, (a, b) in enumerate(pr):
-                H[:, a, b] = H[:, b, a] = h[:, k]
-            g, dg = ch.denoise(ch.sample(H), omega, 1.0)
-            N1 = adjoint(X, g, T) / (-np.sum(dg * w) / d)
+        N1 = np.sqrt(1.0 / (c * alpha)) * _goe(d, rng) if noise == "goe" else _gamp_noise(ch, d, n, 1.0, rng)[0]
         draws.append((S, N1))
 
     def F(V, batch):
