@@ -425,6 +425,7 @@ def module_source(spec: Spec) -> str:
     red = d.reduction
     info = d.summary()
     names = [s.name for s in d.params]
+    polar_angles = _polar_angles(spec, d)
     rows, cols = d.link.shape
     if red is not None:
         path, free, solved, n_branches = red.kind, red.free, red.solved, len(red.branches)
@@ -470,8 +471,8 @@ def module_source(spec: Spec) -> str:
         f"FREE_K = np.array({[k for k, _ in free]!r}, dtype=np.int64)",
         f"FREE_T = np.array({[t for _, t in free]!r}, dtype=np.int64)",
         f"FREE_LOG = np.array({[int(i in (red.log_free if red else [])) for i in range(len(free))]!r}, dtype=np.int64)",
-        f"POLAR_ANGLES = np.array({_polar_angles(spec, d)!r}, dtype=np.float64)",
-        f"HAS_POLAR = {bool(_polar_angles(spec, d))}  # a compile-time constant: models without the polar rule skip compiling it",
+        f"POLAR_ANGLES = np.array({polar_angles!r}, dtype=np.float64)",
+        f"HAS_POLAR = {bool(polar_angles)}  # a compile-time constant: models without the polar rule skip compiling it",
         f"EVEN_ROWS = {tuple(tuple(s['rows']) for s in d.symmetries if s['name'] != 'Z -> -Z')!r}",
         "",
         "",

@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_heads2
 spec hash: 4d0ec50932b2b92b
-generator: 0.1.0+0eafe5b453
+generator: 0.1.0+b61226f404
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '4d0ec50932b2b92b'
-GENERATOR_VERSION = '0.1.0+0eafe5b453'
+GENERATOR_VERSION = '0.1.0+b61226f404'
 NAME = 'attention_L2_T2_heads2'
 P = 3
 T = 2
@@ -1081,9 +1081,11 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     for e in range(n_pc):
         for side in range(2):
             edge = pa[e] if side == 0 else pb[e]
+            c_edge = math.cos(edge)
+            s_edge = math.sin(edge)
             for k in range(na):
-                ce[i] = math.cos(edge)
-                se[i] = math.sin(edge)
+                ce[i] = c_edge
+                se[i] = s_edge
                 dirn[i] = 1.0 if side == 0 else -1.0
                 mapd[i] = pea[e] if side == 0 else peb[e]
                 xk[i] = 0.5 * (xa[k] + 1.0)
@@ -1241,7 +1243,7 @@ def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt
     rule was used."""
     n = omega.shape[0]
     shared = V.shape[0] == 1
-    use_polar = POLAR_ANGLES.shape[0] > 0 and rr.shape[0] > 0
+    use_polar = rr.shape[0] > 0  # a polar rule was given (HAS_POLAR: the model has one)
     for i in prange(n):
         Vi = V[0] if shared else V[i]
         extra[i, 2] = math.nan

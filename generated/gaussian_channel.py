@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+0eafe5b453
+generator: 0.1.0+b61226f404
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+0eafe5b453'
+GENERATOR_VERSION = '0.1.0+b61226f404'
 NAME = 'gaussian_channel'
 P = 1
 T = 1
@@ -834,9 +834,11 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     for e in range(n_pc):
         for side in range(2):
             edge = pa[e] if side == 0 else pb[e]
+            c_edge = math.cos(edge)
+            s_edge = math.sin(edge)
             for k in range(na):
-                ce[i] = math.cos(edge)
-                se[i] = math.sin(edge)
+                ce[i] = c_edge
+                se[i] = s_edge
                 dirn[i] = 1.0 if side == 0 else -1.0
                 mapd[i] = pea[e] if side == 0 else peb[e]
                 xk[i] = 0.5 * (xa[k] + 1.0)
@@ -994,7 +996,7 @@ def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt
     rule was used."""
     n = omega.shape[0]
     shared = V.shape[0] == 1
-    use_polar = POLAR_ANGLES.shape[0] > 0 and rr.shape[0] > 0
+    use_polar = rr.shape[0] > 0  # a polar rule was given (HAS_POLAR: the model has one)
     for i in prange(n):
         Vi = V[0] if shared else V[i]
         extra[i, 2] = math.nan
