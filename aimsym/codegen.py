@@ -359,7 +359,7 @@ def _polar_rows_kernel(d: Derivation, body: list[str], reduced: list[str]) -> li
     lines += [f"    {s.name} = obs[{i}]" for i, s in enumerate(red.obs)]
     lines += _unpack_params(d)
     lines += ["    for i in range(n):"] + unpack + first
-    lines += [f"    for k in range({n_rows}):", "        _vexp(E[k], E[k], n, tmp)"]
+    lines += [f"    for k in range({n_rows}):", "        _vexp(E[k], E[k], n, tmp, 0.0)"]
     lines += ["    for i in range(n):"] + unpack + second
     for j, (k, t) in enumerate(red.solved):
         lines.append(f"        W[{t}, i] = {reduced[j]}")

@@ -2,7 +2,7 @@
 
 model: attention_L1_T2
 spec hash: c3efac14bf93124d
-generator: 0.1.0+b61226f404
+generator: 0.1.0+efc60ed483
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'c3efac14bf93124d'
-GENERATOR_VERSION = '0.1.0+b61226f404'
+GENERATOR_VERSION = '0.1.0+efc60ed483'
 NAME = 'attention_L1_T2'
 P = 1
 T = 2
@@ -648,22 +648,32 @@ _LOG2E = 1.4426950408889634
 _LN2_HI = 6.93147180369123816490e-01
 _LN2_LO = 1.90821492927058770002e-10
 _ROUND = 6755399441055744.0  # 1.5 * 2^52: (x + _ROUND) - _ROUND rounds x to an integer
+# exp(r) = 1 + r q(r) on |r| <= ln(2)/2: q is the degree-10 Chebyshev fit of expm1(r)/r
+# (mpmath.chebyfit at 40 digits: error 1.8e-17; two FMAs fewer than Taylor to the same accuracy;
+# test: < 5e-16 relative to libm), lowest degree first
+_EXP_Q = (1.0, 0.5000000000000006, 0.1666666666666667, 0.04166666666657314, 0.008333333333326141,
+          0.0013888888932488599, 0.00019841269874800493, 2.4801504346997686e-05, 2.7557255425746435e-06,
+          2.7626357241447223e-07, 2.510520637395701e-08)
 
 
 @njit(cache=True, fastmath={"contract"})
-def _vexp(x, out, n, tmp):
-    """out[:n] = exp(x[:n]) (x clipped to [-708, 709]; in place allowed); tmp: scratch (n).
+def _vexp(x, out, n, tmp, shift):
+    """out[:n] = exp(x[:n] - shift) (argument clipped to [-708, 709]; out may be x); tmp:
+    scratch (n), distinct from both. x - shift is first written to tmp: LLVM vectorises a loop
+    only after a runtime check that its arrays do not overlap, so reading x while writing
+    out = x would run scalar (3x slower).
     2^k: k + 1023 + 2^52 as a double holds k + 1023 in its low mantissa bits; shifted left by
     52 as an int64 that becomes the exponent field (no double -> int conversion, which AVX2
     cannot vectorise)."""
+    for i in range(n):
+        tmp[i] = x[i] - shift
     bits = tmp.view(np.int64)
     for i in range(n):
-        xi = min(max(x[i], -708.0), 709.0)
+        xi = min(max(tmp[i], -708.0), 709.0)
         k = (xi * _LOG2E + _ROUND) - _ROUND
         r = (xi - k * _LN2_HI) - k * _LN2_LO
-        out[i] = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6 + r * (1.0 / 24 + r * (1.0 / 120 + r * (
-            1.0 / 720 + r * (1.0 / 5040 + r * (1.0 / 40320 + r * (1.0 / 362880 + r * (1.0 / 3628800 + r * (
-                1.0 / 39916800 + r * (1.0 / 479001600 + r * (1.0 / 6227020800)))))))))))))
+        out[i] = 1.0 + r * (_EXP_Q[0] + r * (_EXP_Q[1] + r * (_EXP_Q[2] + r * (_EXP_Q[3] + r * (_EXP_Q[4] + r * (
+            _EXP_Q[5] + r * (_EXP_Q[6] + r * (_EXP_Q[7] + r * (_EXP_Q[8] + r * (_EXP_Q[9] + r * _EXP_Q[10]))))))))))
         tmp[i] = k + 4503599627371519.0  # k + 1023 + 2^52
     for i in range(n):
         bits[i] = bits[i] << 52
@@ -732,9 +742,9 @@ def _polar_pieces(omega, V, kr):
 
 
 @njit(cache=True, fastmath={"contract", "reassoc"})
-def _polar_moments(wt, U, W, o00, o01, o10, o11, n, acc):
-    """acc += the streamed sums of the four sign pairs at nodes i < n (wt rows: weights of
-    (+u, +w), (+u, -w), (-u, +w), (-u, -w)): S0, sum W^2, first moments of z - omega (index
+def _polar_moments(wt, J, U, W, o00, o01, o10, o11, n, acc):
+    """acc += the sums of the four sign pairs at nodes i < n (weights J * wt, wt rows: the
+    sign pairs (+u, +w), (+u, -w), (-u, +w), (-u, -w)): S0, sum W^2, first moments of z - omega (index
     k * T + t: 0, 1 = u; 2, 3 = w) and second moments (lower triangle). Reassociation lets the
     sums vectorise (order only: ~1e-16)."""
     s0 = 0.0
@@ -754,10 +764,10 @@ def _polar_moments(wt, U, W, o00, o01, o10, o11, n, acc):
     c32 = 0.0
     c33 = 0.0
     for i in range(n):
-        wpp = wt[0, i]
-        wpm = wt[1, i]
-        wmp = wt[2, i]
-        wmm = wt[3, i]
+        wpp = J[i] * wt[0, i]
+        wpm = J[i] * wt[1, i]
+        wmp = J[i] * wt[2, i]
+        wmm = J[i] * wt[3, i]
         dp0 = U[0, i] - o00
         dp1 = U[1, i] - o01
         dm0 = -U[0, i] - o00
@@ -809,40 +819,57 @@ def _polar_moments(wt, U, W, o00, o01, o10, o11, n, acc):
 
 
 @njit(cache=True, error_model="numpy")
-def _polar_log_weights(U, W, J, wrad, wpsi, o00, o01, o10, o11, p00, p01, p11, n, la, lb, lc, ld, flip):
-    """Per node i < n of a polar block: J <- the node weight wrad wpsi J (0 where det M = 0,
-    with w set to 0 there); the log prior weights of the four sign pairs (+-u, +-w) as
-    la, lb = the larger of the two w-signs for u-sign + and -, lc, ld = -|their difference|,
-    flip = whether the w-sign - is the larger. No reduction: the loop vectorises."""
+def _polar_node_weights(W, J, wpsi, n):
+    """J <- the node weight wpsi J, and 0 with w = 0 where det M = 0 (J = inf: a null set, skip
+    c = 0). A loop of its own: few arrays, so LLVM's overlap checks stay few and it vectorises."""
     for i in range(n):
-        ok = 0.0 <= J[i] < math.inf  # else det M = 0: a null set (skip c = 0)
-        w0 = W[0, i] if ok else 0.0
-        w1 = W[1, i] if ok else 0.0
-        W[0, i] = w0
-        W[1, i] = w1
-        J[i] = wrad * wpsi[i] * J[i] if ok else 0.0
+        ok = 0.0 <= J[i] < math.inf
+        W[0, i] = W[0, i] if ok else 0.0
+        W[1, i] = W[1, i] if ok else 0.0
+        J[i] = wpsi[i] * J[i] if ok else 0.0
+
+
+@njit(cache=True, error_model="numpy")
+def _polar_log_weights(U, W, o00, o01, o10, o11, p00, p01, p11, n, L):
+    """L[s, i]: log prior weight of the sign pair s = (+u, +w), (+u, -w), (-u, +w), (-u, -w) at
+    node i < n (up to the constant). No reduction, one output array: the loop vectorises."""
+    for i in range(n):
         dp0 = U[0, i] - o00
         dp1 = U[1, i] - o01
         dm0 = -U[0, i] - o00
         dm1 = -U[1, i] - o01
-        ep0 = w0 - o10
-        ep1 = w1 - o11
-        em0 = -w0 - o10
-        em1 = -w1 - o11
+        ep0 = W[0, i] - o10
+        ep1 = W[1, i] - o11
+        em0 = -W[0, i] - o10
+        em1 = -W[1, i] - o11
         qup = p00 * (dp0 * dp0 + dp1 * dp1)
         qum = p00 * (dm0 * dm0 + dm1 * dm1)
         qwp = p11 * (ep0 * ep0 + ep1 * ep1)
         qwm = p11 * (em0 * em0 + em1 * em1)
-        lpp = -0.5 * (qup + qwp) - p01 * (dp0 * ep0 + dp1 * ep1)
-        lpm = -0.5 * (qup + qwm) - p01 * (dp0 * em0 + dp1 * em1)
-        lmp = -0.5 * (qum + qwp) - p01 * (dm0 * ep0 + dm1 * ep1)
-        lmm = -0.5 * (qum + qwm) - p01 * (dm0 * em0 + dm1 * em1)
-        flip[0, i] = lpp < lpm
-        flip[1, i] = lmp < lmm
-        la[i] = max(lpp, lpm)
-        lb[i] = max(lmp, lmm)
-        lc[i] = -abs(lpp - lpm)
-        ld[i] = -abs(lmp - lmm)
+        L[0, i] = -0.5 * (qup + qwp) - p01 * (dp0 * ep0 + dp1 * ep1)
+        L[1, i] = -0.5 * (qup + qwm) - p01 * (dp0 * em0 + dp1 * em1)
+        L[2, i] = -0.5 * (qum + qwp) - p01 * (dm0 * ep0 + dm1 * ep1)
+        L[3, i] = -0.5 * (qum + qwm) - p01 * (dm0 * em0 + dm1 * em1)
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _nan_sum(L, n):
+    """Sum of L[:, :n]: NaN iff an entry is NaN (reassociation lets it vectorise)."""
+    s = 0.0
+    for i in range(n):
+        s += (L[0, i] + L[1, i]) + (L[2, i] + L[3, i])
+    return s
+
+
+@njit(cache=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
+def _max_log_weight(L, J, n):
+    """max of L[:, i] over the nodes i < n with J[i] > 0; -1e308 if none (L is finite, checked
+    by _nan_sum first; the flags let the reduction vectorise)."""
+    M = -1e308
+    for i in range(n):
+        m = max(max(L[0, i], L[1, i]), max(L[2, i], L[3, i]))
+        M = max(M, m if J[i] > 0.0 else -1e308)
+    return M
 
 
 @njit(cache=True, error_model="numpy")  # IEEE division: the node loops have no exception branch
@@ -887,119 +914,101 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     nr = xr.shape[0]
     N = n_pc * 2 * na  # angle nodes per radius
     NT = nr * N
-    # per angle node (pieces x ends x Gauss nodes): the end's angle (cos, sin), the direction
-    # into the piece, whether the end is mapped, the node in [0, 1] and half its weight
-    ce = np.empty(N)
-    se = np.empty(N)
-    dirn = np.empty(N)
-    mapd = np.zeros(N, dtype=np.bool_)
-    xk = np.empty(N)
-    wk = np.empty(N)
-    half = np.empty(N)
+    # per angle node (pieces x ends x Gauss nodes), rows of one table (few arrays per loop keep
+    # LLVM's runtime overlap checks below its limit, so the loops vectorise): 0, 1 the end's
+    # cos, sin; 2, 3 the same times the direction into the piece; 4 the node in [0, 1] where
+    # the end is mapped (else 0), 5 half its weight; 6, 7 the plain Gauss-Legendre offset and
+    # weight (an inner end, or beta = 0); 8 whether the sinh map applies (1 or 0)
+    tab = np.empty((9, N))
+    Tmn = np.empty(N)  # asinh(half width / eps) of each node's piece, per radius
+    sinh_map = beta > 0.0  # (beta = 0: no switching layer, plain Gauss-Legendre)
     i = 0
     for e in range(n_pc):
         for side in range(2):
             edge = pa[e] if side == 0 else pb[e]
-            c_edge = math.cos(edge)
-            s_edge = math.sin(edge)
+            dirn = 1.0 if side == 0 else -1.0
+            mapped = (pea[e] if side == 0 else peb[e]) and sinh_map
             for k in range(na):
-                ce[i] = c_edge
-                se[i] = s_edge
-                dirn[i] = 1.0 if side == 0 else -1.0
-                mapd[i] = pea[e] if side == 0 else peb[e]
-                xk[i] = 0.5 * (xa[k] + 1.0)
-                wk[i] = 0.5 * wa[k]
-                half[i] = 0.5 * (pb[e] - pa[e])
+                tab[0, i] = math.cos(edge)
+                tab[1, i] = math.sin(edge)
+                tab[2, i] = dirn * tab[0, i]
+                tab[3, i] = dirn * tab[1, i]
+                tab[4, i] = 0.5 * (xa[k] + 1.0) if mapped else 0.0
+                tab[5, i] = 0.5 * wa[k]
+                tab[6, i] = 0.25 * (pb[e] - pa[e]) * (xa[k] + 1.0)
+                tab[7, i] = 0.25 * (pb[e] - pa[e]) * wa[k]
+                tab[8, i] = 1.0 if mapped else 0.0
                 i += 1
     # all nodes at once (radius-major, index j * N + i): one pass per stage over ~1e3 nodes,
     # so the loops run in SIMD with little overhead, and the log-sum-exp shift is the exact
     # maximum (no streaming)
-    buf = np.empty((10, NT))
-    tau, ex, tmp, psi, wpsi, J, la, lb, lc, ld = buf[0], buf[1], buf[2], buf[3], buf[4], buf[5], buf[6], buf[7], buf[8], buf[9]
-    sn = la  # (sin, cos of psi: dead before the log weights are written)
-    cs = lb
+    buf = np.empty((6, NT))
+    tau, ex, tmp, psi, wpsi, J = buf[0], buf[1], buf[2], buf[3], buf[4], buf[5]
     U = np.empty((2, NT))
     W = np.empty((2, NT))
+    SC = np.empty((2, NT))  # sin, cos of psi
     E = np.empty((POLAR_ROWS, NT))
+    L = np.empty((4, NT))
     wt = np.empty((4, NT))
-    flip = np.empty((2, NT), dtype=np.bool_)
     rr = np.empty(nr)
     epsr = np.empty(nr)
     wradr = np.empty(nr)
     for j in range(nr):
-        sj = 0.5 * Slog * (xr[j] + 1.0)
-        rho = rho_lo + c_eff * math.expm1(sj)
+        em1 = math.expm1(0.5 * Slog * (xr[j] + 1.0))
+        rho = rho_lo + c_eff * em1
         rr[j] = math.sqrt(rho)
-        wradr[j] = 0.25 * Slog * wr[j] * c_eff * math.exp(sj)  # d(r^2) / 2 = r dr
-        epsr[j] = kappa / (beta * rho) if beta > 0.0 else math.inf
-        o = j * N
+        wradr[j] = 0.25 * Slog * wr[j] * c_eff * (em1 + 1.0)  # d(r^2) / 2 = r dr
+        epsr[j] = kappa / (beta * rho) if sinh_map else 1.0
+        Tm = 0.0
         for e in range(n_pc):
-            x = 0.5 * (pb[e] - pa[e]) / epsr[j]  # asinh(x) for x >= 0 by log (libm's asinh is slow)
-            Tm = math.log(x + math.sqrt(x * x + 1.0)) if epsr[j] < math.inf else 0.0
+            if e == 0 or pb[e] - pa[e] != pb[e - 1] - pa[e - 1]:  # (equal sectors: the same Tm)
+                x = 0.5 * (pb[e] - pa[e]) / epsr[j]  # asinh(x) for x >= 0 by log (libm's asinh is slow)
+                Tm = math.log(x + math.sqrt(x * x + 1.0))
             for i in range(e * 2 * na, (e + 1) * 2 * na):
-                tau[o + i] = Tm * xk[i] if mapd[i] else 0.0
-                wpsi[o + i] = Tm * wk[i]
-    _vexp(tau, ex, NT, tmp)
-    for j in range(nr):
-        o = j * N
-        eps = epsr[j]
-        sinh_map = eps < math.inf  # (beta = 0: no switching layer, plain Gauss-Legendre)
+                Tmn[i] = Tm
+        tj = tau[j * N:(j + 1) * N]
+        wj = wpsi[j * N:(j + 1) * N]
         for i in range(N):
-            # psi = eps sinh(tau) next to a switching line (the absolute error of (e - 1/e) / 2
-            # is ~1e-16), plain Gauss-Legendre at an inner end
-            e_ = ex[o + i]
-            ie = 1.0 / e_
-            m = mapd[i] and sinh_map
-            psi[o + i] = eps * 0.5 * (e_ - ie) if m else half[i] * xk[i]
-            wpsi[o + i] = eps * 0.5 * (e_ + ie) * wpsi[o + i] if m else half[i] * wk[i]
-    _sincos(psi, sn, cs, NT)
+            tj[i] = Tmn[i] * tab[4, i]
+            wj[i] = Tmn[i] * tab[5, i]
+    _vexp(tau, ex, NT, tmp, 0.0)
     for j in range(nr):
-        o = j * N
-        r = rr[j]
-        for i in range(N):
-            sp_ = dirn[i] * sn[o + i]  # theta = edge +- psi
-            U[0, o + i] = r * (ce[i] * cs[o + i] - se[i] * sp_)
-            U[1, o + i] = r * (se[i] * cs[o + i] + ce[i] * sp_)
-    polar_rows(U, NT, obs, params, W, J, E, tmp)
-    for j in range(nr):
-        o = j * N
+        # psi = eps sinh(tau) next to a switching line (the absolute error of (e - 1/e) / 2
+        # is ~1e-16), plain Gauss-Legendre at an inner end; times the radial weight
+        he = 0.5 * epsr[j]
         w_ = wradr[j]
+        ej = ex[j * N:(j + 1) * N]
+        pj = psi[j * N:(j + 1) * N]
+        wj = wpsi[j * N:(j + 1) * N]
         for i in range(N):
-            wpsi[o + i] *= w_
-    _polar_log_weights(U, W, J, 1.0, wpsi, o00, o01, o10, o11, p00, p01, p11, NT, la, lb, lc, ld, flip)
-    # NaN check (lc, ld hold all four log weights) and the largest log weight: separate loops,
-    # so that the one above has no reduction and vectorises
-    nan = 0.0
-    for i in range(NT):
-        nan += lc[i] + ld[i]
+            e_ = ej[i]
+            ie = 1.0 / e_
+            m = tab[8, i] > 0.0
+            pj[i] = he * (e_ - ie) if m else tab[6, i]
+            wj[i] = w_ * (he * (e_ + ie) * wj[i] if m else tab[7, i])
+    _sincos(psi, SC[0], SC[1], NT)
+    for j in range(nr):
+        r = rr[j]
+        for i in range(N):  # theta = edge +- psi
+            s_ = SC[0, j * N + i]
+            c_ = SC[1, j * N + i]
+            U[0, j * N + i] = r * (tab[0, i] * c_ - tab[3, i] * s_)
+            U[1, j * N + i] = r * (tab[1, i] * c_ + tab[2, i] * s_)
+    polar_rows(U, NT, obs, params, W, J, E, tmp)
+    _polar_node_weights(W, J, wpsi, NT)
+    _polar_log_weights(U, W, o00, o01, o10, o11, p00, p01, p11, NT, L)
+    nan = _nan_sum(L, NT)
     if nan != nan:
         return STATUS_NOT_FINITE
-    M = -math.inf
-    for i in range(NT):
-        if J[i] > 0.0:
-            M = max(M, max(la[i], lb[i]))
+    M = _max_log_weight(L, J, NT)
     acc = np.zeros(16)
     const = -0.5 * nt * (logdet_V + 2.0 * math.log(2.0 * math.pi))
-    if M > -math.inf:
-        for i in range(NT):
-            la[i] -= M
-            lb[i] -= M
-        _vexp(la, la, NT, tmp)
-        _vexp(lb, lb, NT, tmp)
-        _vexp(lc, lc, NT, tmp)
-        if diag:  # the w-sign difference does not depend on the u-sign
-            for i in range(NT):
-                ld[i] = lc[i]
-        else:
-            _vexp(ld, ld, NT, tmp)
-        for i in range(NT):
-            hp = J[i] * la[i]
-            hm = J[i] * lb[i]
-            wt[0, i] = hp * lc[i] if flip[0, i] else hp
-            wt[1, i] = hp if flip[0, i] else hp * lc[i]
-            wt[2, i] = hm * ld[i] if flip[1, i] else hm
-            wt[3, i] = hm if flip[1, i] else hm * ld[i]
-        _polar_moments(wt, U, W, o00, o01, o10, o11, NT, acc)
+    if M > -1e308:
+        for s in range(4):
+            _vexp(L[s], wt[s], NT, tmp, M)
+        _polar_moments(wt, J, U, W, o00, o01, o10, o11, NT, acc)
+    else:
+        M = -math.inf
     S1 = np.empty(4)
     for q in range(4):
         S1[q] = acc[2 + q]
