@@ -2,7 +2,7 @@
 
 model: attention_L1_T2
 spec hash: c3efac14bf93124d
-generator: 0.1.0+efc60ed483
+generator: 0.1.0+4a4f147ced
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'c3efac14bf93124d'
-GENERATOR_VERSION = '0.1.0+efc60ed483'
+GENERATOR_VERSION = '0.1.0+4a4f147ced'
 NAME = 'attention_L1_T2'
 P = 1
 T = 2
@@ -928,11 +928,13 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
             edge = pa[e] if side == 0 else pb[e]
             dirn = 1.0 if side == 0 else -1.0
             mapped = (pea[e] if side == 0 else peb[e]) and sinh_map
+            c_edge = math.cos(edge)
+            s_edge = math.sin(edge)
             for k in range(na):
-                tab[0, i] = math.cos(edge)
-                tab[1, i] = math.sin(edge)
-                tab[2, i] = dirn * tab[0, i]
-                tab[3, i] = dirn * tab[1, i]
+                tab[0, i] = c_edge
+                tab[1, i] = s_edge
+                tab[2, i] = dirn * c_edge
+                tab[3, i] = dirn * s_edge
                 tab[4, i] = 0.5 * (xa[k] + 1.0) if mapped else 0.0
                 tab[5, i] = 0.5 * wa[k]
                 tab[6, i] = 0.25 * (pb[e] - pa[e]) * (xa[k] + 1.0)

@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+efc60ed483
+generator: 0.1.0+4a4f147ced
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+efc60ed483'
+GENERATOR_VERSION = '0.1.0+4a4f147ced'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1
@@ -865,11 +865,13 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
             edge = pa[e] if side == 0 else pb[e]
             dirn = 1.0 if side == 0 else -1.0
             mapped = (pea[e] if side == 0 else peb[e]) and sinh_map
+            c_edge = math.cos(edge)
+            s_edge = math.sin(edge)
             for k in range(na):
-                tab[0, i] = math.cos(edge)
-                tab[1, i] = math.sin(edge)
-                tab[2, i] = dirn * tab[0, i]
-                tab[3, i] = dirn * tab[1, i]
+                tab[0, i] = c_edge
+                tab[1, i] = s_edge
+                tab[2, i] = dirn * c_edge
+                tab[3, i] = dirn * s_edge
                 tab[4, i] = 0.5 * (xa[k] + 1.0) if mapped else 0.0
                 tab[5, i] = 0.5 * wa[k]
                 tab[6, i] = 0.25 * (pb[e] - pa[e]) * (xa[k] + 1.0)
