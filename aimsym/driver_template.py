@@ -709,7 +709,6 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     p00 = Vinv[0, 0]
     p01 = Vinv[0, 1]
     p11 = Vinv[1, 1]
-    diag = p01 == 0.0
     o00 = omega[0, 0]
     o01 = omega[0, 1]
     o10 = omega[1, 0]

@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_heads2
 spec hash: 4d0ec50932b2b92b
-generator: 0.1.0+4a4f147ced
+generator: 0.1.0+e4bf606342
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '4d0ec50932b2b92b'
-GENERATOR_VERSION = '0.1.0+4a4f147ced'
+GENERATOR_VERSION = '0.1.0+e4bf606342'
 NAME = 'attention_L2_T2_heads2'
 P = 3
 T = 2
@@ -1080,7 +1080,6 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     p00 = Vinv[0, 0]
     p01 = Vinv[0, 1]
     p11 = Vinv[1, 1]
-    diag = p01 == 0.0
     o00 = omega[0, 0]
     o01 = omega[0, 1]
     o10 = omega[1, 0]

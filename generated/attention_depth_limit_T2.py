@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: ca1478c005423335
-generator: 0.1.0+4a4f147ced
+generator: 0.1.0+e4bf606342
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'ca1478c005423335'
-GENERATOR_VERSION = '0.1.0+4a4f147ced'
+GENERATOR_VERSION = '0.1.0+e4bf606342'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2
@@ -3507,7 +3507,6 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     p00 = Vinv[0, 0]
     p01 = Vinv[0, 1]
     p11 = Vinv[1, 1]
-    diag = p01 == 0.0
     o00 = omega[0, 0]
     o01 = omega[0, 1]
     o10 = omega[1, 0]

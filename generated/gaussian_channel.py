@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+4a4f147ced
+generator: 0.1.0+e4bf606342
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+4a4f147ced'
+GENERATOR_VERSION = '0.1.0+e4bf606342'
 NAME = 'gaussian_channel'
 P = 1
 T = 1
@@ -833,7 +833,6 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     p00 = Vinv[0, 0]
     p01 = Vinv[0, 1]
     p11 = Vinv[1, 1]
-    diag = p01 == 0.0
     o00 = omega[0, 0]
     o01 = omega[0, 1]
     o10 = omega[1, 0]

@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+4a4f147ced
+generator: 0.1.0+e4bf606342
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+4a4f147ced'
+GENERATOR_VERSION = '0.1.0+e4bf606342'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1
@@ -836,7 +836,6 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     p00 = Vinv[0, 0]
     p01 = Vinv[0, 1]
     p11 = Vinv[1, 1]
-    diag = p01 == 0.0
     o00 = omega[0, 0]
     o01 = omega[0, 1]
     o10 = omega[1, 0]

@@ -2,7 +2,7 @@
 
 model: hardmax_L2_T2
 spec hash: 7508f35d33687fef
-generator: 0.1.0+4a4f147ced
+generator: 0.1.0+e4bf606342
 denoiser path: exact (hardmax last layer after a tied rank-one first layer, T = 2: region constraint (z_2 in a union of wedges depending on z_1), 2-D integral over z_1)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '7508f35d33687fef'
-GENERATOR_VERSION = '0.1.0+4a4f147ced'
+GENERATOR_VERSION = '0.1.0+e4bf606342'
 NAME = 'hardmax_L2_T2'
 P = 2
 T = 2
@@ -981,7 +981,6 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     p00 = Vinv[0, 0]
     p01 = Vinv[0, 1]
     p11 = Vinv[1, 1]
-    diag = p01 == 0.0
     o00 = omega[0, 0]
     o01 = omega[0, 1]
     o10 = omega[1, 0]
