@@ -354,6 +354,28 @@ def test_mapped_and_legendre_polar_rules_agree():
         assert np.all(np.abs(out.g_out - fine.g_out).reshape(3, -1).max(axis=1) <= 1e-8 * scale)
 
 
+def test_mapped_polar_rule_resolves_a_narrow_prior_off_the_origin():
+    """A narrow prior of u off the origin (|omega_u| = 6.5 sd, V = 0.3 I) inside the wide sector
+    pi/2 < arg u < pi: the fixed default rule (12, 32) agrees with the independent Legendre rule
+    to 1e-8 (before the sectors were cut around the bump's direction: up to 5e-5)."""
+    m = load("attention_L2_T2", skip=1.0)
+    rng = np.random.default_rng(31)
+    sd = math.sqrt(0.3)
+    phi = np.radians([100.0, 130.0, 147.0, 160.0])
+    om = np.empty((4, 2, 2))
+    om[:, 0] = 6.5 * sd * np.stack([np.cos(phi), np.sin(phi)], axis=1)
+    om[:, 1] = rng.normal(size=(4, 2))
+    V = 0.3 * np.eye(2)
+    obs = m.observation(om + sd * rng.normal(size=(4, 2, 2)))
+    a = m.denoiser(polar=(12, 32), tol=None, check_tol=0.0)(None, om, V, obs=obs)
+    b = m.denoiser(polar=(60, 160), tol=None, check_tol=0.0, polar_map="legendre")(None, om, V, obs=obs)
+    scale = np.maximum(1.0, np.abs(b.g_out).reshape(4, -1).max(axis=1))
+    assert np.all(np.abs(a.g_out - b.g_out).reshape(4, -1).max(axis=1) <= 1e-8 * scale)
+    dscale = np.maximum(1.0, np.abs(b.dg_out).reshape(4, -1).max(axis=1))
+    assert np.all(np.abs(a.dg_out - b.dg_out).reshape(4, -1).max(axis=1) <= 1e-8 * dscale)
+    assert np.allclose(a.log_z_out, b.log_z_out, rtol=0, atol=1e-8)
+
+
 def test_mapped_polar_rule_vectorised_equals_scalar_loop():
     m = load("attention_L2_T2", skip=1.0)
     y, om, V = _regime_points(m, np.random.default_rng(26), per=2)
