@@ -2,7 +2,7 @@
 
 model: attention_L3_T2
 spec hash: a55bd7fb68e63aa4
-generator: 0.1.0+6d47976803
+generator: 0.1.0+4f6636dfc3
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'a55bd7fb68e63aa4'
-GENERATOR_VERSION = '0.1.0+6d47976803'
+GENERATOR_VERSION = '0.1.0+4f6636dfc3'
 NAME = 'attention_L3_T2'
 P = 3
 T = 2
@@ -908,7 +908,7 @@ POLAR_CORE = 1.5
 
 
 @njit(cache=True)
-def _polar_pieces(omega, V, kr):
+def _polar_pieces(omega, V, kr, crad):
     """Angular pieces in [0, pi] of the mapped polar rule (u and -u are visited together) and
     the radial range: each sector between switching lines (POLAR_ANGLES), intersected with the
     arc around arg(omega_u) (mod pi) when the prior of u lies far from the origin (r_lo > 0;
@@ -916,8 +916,10 @@ def _polar_pieces(omega, V, kr):
     On the full disk (r_lo = 0) a bump off the origin (|omega_u| > POLAR_OFF sd) is narrow in
     angle (width sd / |omega_u|): the sectors are also cut POLAR_CORE sd around its direction,
     else the nodes graded towards the switching lines leave it under-resolved when it sits
-    inside a sector (errors up to 5e-5 at the default size, V = 0.3 I). Returns R, r_lo, and per piece its ends and whether each end is a switching line
-    (which gets the sinh map; an inner end gets plain Gauss-Legendre)."""
+    inside a sector (errors up to 5e-5 at the default size, V = 0.3 I), and its radial grading
+    starts from the scale of its inner side. Returns R, r_lo, the radial scale c_eff of
+    r^2 = r_lo^2 + c_eff (e^s - 1), and per piece its ends and whether each end is a switching
+    line (which gets the sinh map; an inner end gets plain Gauss-Legendre)."""
     o00 = omega[0, 0]
     o01 = omega[0, 1]
     mu = math.sqrt(o00 * o00 + o01 * o01)
@@ -931,7 +933,11 @@ def _polar_pieces(omega, V, kr):
     n_pc = 0
     phi = math.atan2(o01, o00) % math.pi
     if r_lo <= 0.0:
-        core = POLAR_CORE * su / mu if mu > POLAR_OFF * su else math.pi  # (>= pi/2: no cut)
+        off = mu > POLAR_OFF * su
+        core = POLAR_CORE * su / mu if off else math.pi  # (>= pi/2: no cut)
+        # logarithmic from the origin; a bump off it: from its inner side's scale, so that fewer
+        # nodes sit near the origin (halves the points above 1e-8 at (9, 24), V = 0.1 I)
+        c_eff = max(crad, (mu - 2.0 * su) ** 2) if off else crad
         cuts = np.empty(2)
         n_cut = 0
         if core < 0.5 * math.pi:
@@ -964,7 +970,7 @@ def _polar_pieces(omega, V, kr):
             pea[n_pc] = lo_sw
             peb[n_pc] = True
             n_pc += 1
-        return R, r_lo, pa[:n_pc], pb[:n_pc], pea[:n_pc], peb[:n_pc]
+        return R, r_lo, c_eff, pa[:n_pc], pb[:n_pc], pea[:n_pc], peb[:n_pc]
     dlt = math.asin(min(1.0, kr * su / mu))
     core = min(dlt, 3.0 * su / mu)
     for e in range(POLAR_ANGLES.shape[0] - 1):
@@ -984,7 +990,7 @@ def _polar_pieces(omega, V, kr):
                     pea[n_pc] = lo == ta
                     peb[n_pc] = hi == tb
                     n_pc += 1
-    return R, r_lo, pa[:n_pc], pb[:n_pc], pea[:n_pc], peb[:n_pc]
+    return R, r_lo, max(crad, r_lo * r_lo), pa[:n_pc], pb[:n_pc], pea[:n_pc], peb[:n_pc]  # (about uniform in r^2)
 
 
 @njit(cache=True, fastmath={"contract", "reassoc"})
@@ -1151,16 +1157,9 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     o01 = omega[0, 1]
     o10 = omega[1, 0]
     o11 = omega[1, 1]
-    R, r_lo, pa, pb, pea, peb = _polar_pieces(omega, V, kr)
+    R, r_lo, c_eff, pa, pb, pea, peb = _polar_pieces(omega, V, kr, crad)
     n_pc = pa.shape[0]
     rho_lo = r_lo * r_lo
-    c_eff = max(crad, rho_lo)  # logarithmic from the origin, about uniform in an annulus far out
-    mu_u = math.sqrt(o00 * o00 + o01 * o01)
-    su_u = math.sqrt(V[0, 0])
-    if rho_lo <= 0.0 and mu_u > POLAR_OFF * su_u:
-        # a bump off the origin on the full disk: graded from its inner side's scale, so that
-        # fewer nodes sit near the origin (halves the points above 1e-8 at (9, 24), V = 0.1 I)
-        c_eff = max(crad, (mu_u - 2.0 * su_u) ** 2)
     beta = abs(polar_beta(params))
     Slog = math.log1p((R * R - rho_lo) / c_eff)
     na = xa.shape[0]

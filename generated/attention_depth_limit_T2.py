@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: ca1478c005423335
-generator: 0.1.0+6d47976803
+generator: 0.1.0+4f6636dfc3
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'ca1478c005423335'
-GENERATOR_VERSION = '0.1.0+6d47976803'
+GENERATOR_VERSION = '0.1.0+4f6636dfc3'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2
@@ -3307,7 +3307,7 @@ POLAR_CORE = 1.5
 
 
 @njit(cache=True)
-def _polar_pieces(omega, V, kr):
+def _polar_pieces(omega, V, kr, crad):
     """Angular pieces in [0, pi] of the mapped polar rule (u and -u are visited together) and
     the radial range: each sector between switching lines (POLAR_ANGLES), intersected with the
     arc around arg(omega_u) (mod pi) when the prior of u lies far from the origin (r_lo > 0;
@@ -3315,8 +3315,10 @@ def _polar_pieces(omega, V, kr):
     On the full disk (r_lo = 0) a bump off the origin (|omega_u| > POLAR_OFF sd) is narrow in
     angle (width sd / |omega_u|): the sectors are also cut POLAR_CORE sd around its direction,
     else the nodes graded towards the switching lines leave it under-resolved when it sits
-    inside a sector (errors up to 5e-5 at the default size, V = 0.3 I). Returns R, r_lo, and per piece its ends and whether each end is a switching line
-    (which gets the sinh map; an inner end gets plain Gauss-Legendre)."""
+    inside a sector (errors up to 5e-5 at the default size, V = 0.3 I), and its radial grading
+    starts from the scale of its inner side. Returns R, r_lo, the radial scale c_eff of
+    r^2 = r_lo^2 + c_eff (e^s - 1), and per piece its ends and whether each end is a switching
+    line (which gets the sinh map; an inner end gets plain Gauss-Legendre)."""
     o00 = omega[0, 0]
     o01 = omega[0, 1]
     mu = math.sqrt(o00 * o00 + o01 * o01)
@@ -3330,7 +3332,11 @@ def _polar_pieces(omega, V, kr):
     n_pc = 0
     phi = math.atan2(o01, o00) % math.pi
     if r_lo <= 0.0:
-        core = POLAR_CORE * su / mu if mu > POLAR_OFF * su else math.pi  # (>= pi/2: no cut)
+        off = mu > POLAR_OFF * su
+        core = POLAR_CORE * su / mu if off else math.pi  # (>= pi/2: no cut)
+        # logarithmic from the origin; a bump off it: from its inner side's scale, so that fewer
+        # nodes sit near the origin (halves the points above 1e-8 at (9, 24), V = 0.1 I)
+        c_eff = max(crad, (mu - 2.0 * su) ** 2) if off else crad
         cuts = np.empty(2)
         n_cut = 0
         if core < 0.5 * math.pi:
@@ -3363,7 +3369,7 @@ def _polar_pieces(omega, V, kr):
             pea[n_pc] = lo_sw
             peb[n_pc] = True
             n_pc += 1
-        return R, r_lo, pa[:n_pc], pb[:n_pc], pea[:n_pc], peb[:n_pc]
+        return R, r_lo, c_eff, pa[:n_pc], pb[:n_pc], pea[:n_pc], peb[:n_pc]
     dlt = math.asin(min(1.0, kr * su / mu))
     core = min(dlt, 3.0 * su / mu)
     for e in range(POLAR_ANGLES.shape[0] - 1):
@@ -3383,7 +3389,7 @@ def _polar_pieces(omega, V, kr):
                     pea[n_pc] = lo == ta
                     peb[n_pc] = hi == tb
                     n_pc += 1
-    return R, r_lo, pa[:n_pc], pb[:n_pc], pea[:n_pc], peb[:n_pc]
+    return R, r_lo, max(crad, r_lo * r_lo), pa[:n_pc], pb[:n_pc], pea[:n_pc], peb[:n_pc]  # (about uniform in r^2)
 
 
 @njit(cache=True, fastmath={"contract", "reassoc"})
@@ -3550,16 +3556,9 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     o01 = omega[0, 1]
     o10 = omega[1, 0]
     o11 = omega[1, 1]
-    R, r_lo, pa, pb, pea, peb = _polar_pieces(omega, V, kr)
+    R, r_lo, c_eff, pa, pb, pea, peb = _polar_pieces(omega, V, kr, crad)
     n_pc = pa.shape[0]
     rho_lo = r_lo * r_lo
-    c_eff = max(crad, rho_lo)  # logarithmic from the origin, about uniform in an annulus far out
-    mu_u = math.sqrt(o00 * o00 + o01 * o01)
-    su_u = math.sqrt(V[0, 0])
-    if rho_lo <= 0.0 and mu_u > POLAR_OFF * su_u:
-        # a bump off the origin on the full disk: graded from its inner side's scale, so that
-        # fewer nodes sit near the origin (halves the points above 1e-8 at (9, 24), V = 0.1 I)
-        c_eff = max(crad, (mu_u - 2.0 * su_u) ** 2)
     beta = abs(polar_beta(params))
     Slog = math.log1p((R * R - rho_lo) / c_eff)
     na = xa.shape[0]
