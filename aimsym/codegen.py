@@ -319,6 +319,19 @@ def _polar_kernels(spec: Spec, d: Derivation) -> list[str]:
     return lines + ["", ""] + _polar_rows_kernel(d, body, reduced)
 
 
+def _reuse_reciprocal(expr: str, body: list[str]) -> str:
+    """``1/abs(x)`` -> ``abs(y)`` when the program already has ``y = 1/x`` (the CSE keeps both
+    divisions; IEEE division is correctly rounded and odd, so the value is the same, one
+    division per node less)."""
+    m = re.fullmatch(r"1/abs\((\w+)\)", expr)
+    if m:
+        for ln in body:
+            ma = _ASSIGN_LINE.match(ln)
+            if ma and ma.group(2) == f"1/{m.group(1)}":
+                return f"abs({ma.group(1)})"
+    return expr
+
+
 _SOFTMAX2_LINE = re.compile(r"^(\s*)(\w+), (\w+) = _softmax2\((.*)\)$")
 _ASSIGN_LINE = re.compile(r"^\s*(\w+) = (.*)$")
 
@@ -363,7 +376,7 @@ def _polar_rows_kernel(d: Derivation, body: list[str], reduced: list[str]) -> li
     lines += ["    for i in range(n):"] + unpack + second
     for j, (k, t) in enumerate(red.solved):
         lines.append(f"        W[{t}, i] = {reduced[j]}")
-    lines.append(f"        J[i] = {reduced[-1]}")
+    lines.append(f"        J[i] = {_reuse_reciprocal(reduced[-1], body)}")
     lines += ["", "", f"POLAR_ROWS = {n_rows}"]
     return lines
 

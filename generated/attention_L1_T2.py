@@ -2,7 +2,7 @@
 
 model: attention_L1_T2
 spec hash: c3efac14bf93124d
-generator: 0.1.0+4f6636dfc3
+generator: 0.1.0+c52c7bbb91
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'c3efac14bf93124d'
-GENERATOR_VERSION = '0.1.0+4f6636dfc3'
+GENERATOR_VERSION = '0.1.0+c52c7bbb91'
 NAME = 'attention_L1_T2'
 P = 1
 T = 2
@@ -538,6 +538,22 @@ def _finish(gmax, S0, Sw2, S1, S2, Vinv, g_out, dg_out, extra):
 
 
 @njit(cache=True)
+def _finish_acc(gmax, acc, Vinv, g_out, dg_out, extra):
+    """``_finish`` from the 16 sums of the polar kernels (S0, sum w^2, S1 (4), the lower
+    triangle of S2 row by row)."""
+    S1 = np.empty(4)
+    for q in range(4):
+        S1[q] = acc[2 + q]
+    S2 = np.zeros((4, 4))
+    q = 6
+    for i in range(4):
+        for k in range(i + 1):
+            S2[i, k] = acc[q]
+            q += 1
+    return _finish(gmax, acc[0], acc[1], S1, S2, Vinv, g_out, dg_out, extra)
+
+
+@njit(cache=True)
 def _accumulate(lw, z, omega, st, S1, S2, dz):
     """Add weight exp(lw) at z to the streamed sums; st = [gmax, S0, Sw2] (log-sum-exp)."""
     p = P
@@ -864,12 +880,18 @@ def _polar_moments(wt, J, U, W, o00, o01, o10, o11, n, acc):
 @njit(cache=True, error_model="numpy")
 def _polar_node_weights(W, J, wpsi, n):
     """J <- the node weight wpsi J, and 0 with w = 0 where det M = 0 (J = inf: a null set, skip
-    c = 0). A loop of its own: few arrays, so LLVM's overlap checks stay few and it vectorises."""
+    c = 0). A loop of its own: few arrays, so LLVM's overlap checks stay few and it vectorises
+    (every load unconditional: a load under the condition would need a masked load, and the
+    cost model then keeps the loop scalar)."""
     for i in range(n):
-        ok = 0.0 <= J[i] < math.inf
-        W[0, i] = W[0, i] if ok else 0.0
-        W[1, i] = W[1, i] if ok else 0.0
-        J[i] = wpsi[i] * J[i] if ok else 0.0
+        j = J[i]
+        w0 = W[0, i]
+        w1 = W[1, i]
+        wj = wpsi[i] * j
+        ok = (j >= 0.0) & (j < math.inf)
+        W[0, i] = w0 if ok else 0.0
+        W[1, i] = w1 if ok else 0.0
+        J[i] = wj if ok else 0.0
 
 
 @njit(cache=True, error_model="numpy")
@@ -905,14 +927,45 @@ def _nan_sum(L, n):
 
 
 @njit(cache=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
-def _max_log_weight(L, J, n):
+def _running_max(x, n):
+    """max of x[:n] (finite; -1e308 if n = 0). LLVM does not vectorise a floating-point max
+    reduction here, so four interleaved running maxima (no dependency chain)."""
+    m0 = m1 = m2 = m3 = -1e308
+    k = 0
+    while k + 4 <= n:
+        a = x[k]
+        b = x[k + 1]
+        c = x[k + 2]
+        d = x[k + 3]
+        m0 = a if a > m0 else m0
+        m1 = b if b > m1 else m1
+        m2 = c if c > m2 else m2
+        m3 = d if d > m3 else m3
+        k += 4
+    while k < n:
+        a = x[k]
+        m0 = a if a > m0 else m0
+        k += 1
+    m0 = m0 if m0 > m1 else m1
+    m2 = m2 if m2 > m3 else m3
+    return m0 if m0 > m2 else m2
+
+
+@njit(cache=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
+def _max_log_weight(L, J, tmp, n):
     """max of L[:, i] over the nodes i < n with J[i] > 0; -1e308 if none (L is finite, checked
-    by _nan_sum first; the flags let the reduction vectorise)."""
-    M = -1e308
+    by _nan_sum first): the max over the four rows in a vectorised pass into tmp, then
+    ``_running_max``."""
     for i in range(n):
-        m = max(max(L[0, i], L[1, i]), max(L[2, i], L[3, i]))
-        M = max(M, m if J[i] > 0.0 else -1e308)
-    return M
+        l0 = L[0, i]
+        l1 = L[1, i]
+        l2 = L[2, i]
+        l3 = L[3, i]
+        a = l0 if l0 > l1 else l1
+        b = l2 if l2 > l3 else l3
+        m = a if a > b else b
+        tmp[i] = m if J[i] > 0.0 else -1e308
+    return _running_max(tmp, n)
 
 
 @njit(cache=True, error_model="numpy")  # IEEE division: the node loops have no exception branch
@@ -1045,7 +1098,7 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     nan = _nan_sum(L, NT)
     if nan != nan:
         return STATUS_NOT_FINITE
-    M = _max_log_weight(L, J, NT)
+    M = _max_log_weight(L, J, tmp, NT)
     acc = np.zeros(16)
     const = -0.5 * nt * (logdet_V + 2.0 * math.log(2.0 * math.pi))
     if M > -1e308:
@@ -1054,21 +1107,210 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
         _polar_moments(wt, J, U, W, o00, o01, o10, o11, NT, acc)
     else:
         M = -math.inf
-    S1 = np.empty(4)
-    for q in range(4):
-        S1[q] = acc[2 + q]
-    S2 = np.zeros((4, 4))
-    S2[0, 0] = acc[6]
-    S2[1, 0] = acc[7]
-    S2[1, 1] = acc[8]
-    S2[2, 0] = acc[9]
-    S2[2, 1] = acc[10]
-    S2[2, 2] = acc[11]
-    S2[3, 0] = acc[12]
-    S2[3, 1] = acc[13]
-    S2[3, 2] = acc[14]
-    S2[3, 3] = acc[15]
-    return _finish(M + const, acc[0], acc[1], S1, S2, Vinv, g_out, dg_out, extra)
+    return _finish_acc(M + const, acc, Vinv, g_out, dg_out, extra)
+
+
+@njit(cache=True, fastmath={"contract"})
+def _gh_nodes(m0, m1, l00, l10, l11, X, lw_rule, logdet_L, n, U, cst):
+    """Nodes u = m + L xi of a branch's Gauss-Hermite rule (X: (n, 2) standard-normal nodes)
+    and the per-node constant of the log weight, log w_rule + log det L + |xi|^2 / 2."""
+    for i in range(n):
+        x0 = X[i, 0]
+        x1 = X[i, 1]
+        U[0, i] = m0 + l00 * x0
+        U[1, i] = m1 + l10 * x0 + l11 * x1
+        cst[i] = lw_rule[i] + logdet_L + 0.5 * (x0 * x0 + x1 * x1)
+
+
+@njit(cache=True, error_model="numpy")
+def _gh_log_weights(U, W, sg, o00, o01, o10, o11, p00, p01, p11, cst, J, n, L, tmp):
+    """L[i]: log weight of node i < n on the branch with solved row sg * W (up to the
+    constant); tmp[i] = L[i] where J[i] > 0, else -1e308 (for the maximum)."""
+    for i in range(n):
+        d0 = U[0, i] - o00
+        d1 = U[1, i] - o01
+        e0 = sg * W[0, i] - o10
+        e1 = sg * W[1, i] - o11
+        li = cst[i] - 0.5 * (p00 * (d0 * d0 + d1 * d1) + p11 * (e0 * e0 + e1 * e1)) - p01 * (d0 * e0 + d1 * e1)
+        L[i] = li
+        tmp[i] = li if J[i] > 0.0 else -1e308
+
+
+@njit(cache=True, fastmath={"contract", "reassoc"})
+def _gh_moments(wt, J, U, W, sg, o00, o01, o10, o11, n, acc):
+    """acc = the sums of one branch (weights J * wt, solved row sg * W): S0, sum w^2, first
+    moments of z - omega (index k * T + t) and second moments (lower triangle), as in
+    ``_polar_moments``."""
+    s0 = 0.0
+    sw2 = 0.0
+    m0 = 0.0
+    m1 = 0.0
+    m2 = 0.0
+    m3 = 0.0
+    c00 = 0.0
+    c10 = 0.0
+    c11 = 0.0
+    c20 = 0.0
+    c21 = 0.0
+    c22 = 0.0
+    c30 = 0.0
+    c31 = 0.0
+    c32 = 0.0
+    c33 = 0.0
+    for i in range(n):
+        w = J[i] * wt[i]
+        d0 = U[0, i] - o00
+        d1 = U[1, i] - o01
+        e0 = sg * W[0, i] - o10
+        e1 = sg * W[1, i] - o11
+        s0 += w
+        sw2 += w * w
+        wd0 = w * d0
+        wd1 = w * d1
+        we0 = w * e0
+        we1 = w * e1
+        m0 += wd0
+        m1 += wd1
+        m2 += we0
+        m3 += we1
+        c00 += wd0 * d0
+        c10 += wd1 * d0
+        c11 += wd1 * d1
+        c20 += we0 * d0
+        c21 += we0 * d1
+        c22 += we0 * e0
+        c30 += we1 * d0
+        c31 += we1 * d1
+        c32 += we1 * e0
+        c33 += we1 * e1
+    acc[0] = s0
+    acc[1] = sw2
+    acc[2] = m0
+    acc[3] = m1
+    acc[4] = m2
+    acc[5] = m3
+    acc[6] = c00
+    acc[7] = c10
+    acc[8] = c11
+    acc[9] = c20
+    acc[10] = c21
+    acc[11] = c22
+    acc[12] = c30
+    acc[13] = c31
+    acc[14] = c32
+    acc[15] = c33
+
+
+@njit(cache=True, error_model="numpy")
+def _gh_branch(X, lw_rule, n, m0, m1, l00, l10, l11, sg, obs, params, o00, o01, o10, o11, p00, p01, p11,
+               U, W, J, E, L, wt, tmp, cst, ones, acc):
+    """One branch (solved row sg * w(u)) of the adaptive Gauss-Hermite rule for polar models,
+    all nodes at once in SIMD loops: acc (16) its sums scaled by exp(-M); returns M (the
+    maximum log weight; -1e308 if no node has weight, nan if a log weight is not finite)."""
+    logdet_L = math.log(l00) + math.log(l11)
+    _gh_nodes(m0, m1, l00, l10, l11, X, lw_rule, logdet_L, n, U, cst)
+    polar_rows(U, n, obs, params, W, J, E, tmp)
+    _polar_node_weights(W, J, ones, n)
+    _gh_log_weights(U, W, sg, o00, o01, o10, o11, p00, p01, p11, cst, J, n, L, tmp)
+    s = 0.0
+    for i in range(n):
+        s += L[i]
+    if s != s:
+        return math.nan
+    M = _running_max(tmp, n)
+    if M > -1e308:
+        _vexp(L, wt, n, tmp, M)
+        _gh_moments(wt, J, U, W, sg, o00, o01, o10, o11, n, acc)
+    else:
+        acc[:] = 0.0
+    return M
+
+
+@njit(cache=True, error_model="numpy")
+def denoise_one_gh_polar(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate, g_out, dg_out,
+                         extra):
+    """``denoise_one`` for the polar models (two free indices u = z_1, two branches +-w(u)):
+    the same adaptive Gauss-Hermite rule (passes on nodes_c re-centre each branch's rule on
+    its posterior mean and covariance, times inflate; the final pass on nodes), with the nodes
+    of a branch processed at once through ``polar_rows`` and SIMD loops (tests: equal to
+    ``denoise_one``)."""
+    nt = T
+    Vinv = np.empty((2, 2))
+    logdet_V = _precision(V, Vinv)
+    if logdet_V != logdet_V:
+        return STATUS_BAD_V
+    p00 = Vinv[0, 0]
+    p01 = Vinv[0, 1]
+    p11 = Vinv[1, 1]
+    o00 = omega[0, 0]
+    o01 = omega[0, 1]
+    o10 = omega[1, 0]
+    o11 = omega[1, 1]
+    v0 = V[0, 0]
+    if not (v0 > 0.0):
+        return STATUS_BAD_V
+    nmax = max(nodes.shape[0], nodes_c.shape[0])
+    U = np.empty((2, nmax))
+    W = np.empty((2, nmax))
+    E = np.empty((POLAR_ROWS, nmax))
+    buf = np.empty((6, nmax))
+    J, L, wt, tmp, cst, ones = buf[0], buf[1], buf[2], buf[3], buf[4], buf[5]
+    ones[:] = 1.0
+    # proposal per branch: the prior marginal of u (independent across tokens, variance V_00)
+    prop = np.empty((2, 5))  # m0, m1, l00, l10, l11
+    for b in range(2):
+        prop[b, 0] = o00
+        prop[b, 1] = o01
+        prop[b, 2] = math.sqrt(v0)
+        prop[b, 3] = 0.0
+        prop[b, 4] = math.sqrt(v0)
+    accb = np.zeros((2, 16))
+    Mb = np.empty(2)
+    for it in range(n_adapt + 1):
+        final = it == n_adapt
+        X = nodes if final else nodes_c
+        lw = log_w if final else log_w_c
+        n = X.shape[0]
+        for b in range(2):
+            Mb[b] = _gh_branch(X, lw, n, prop[b, 0], prop[b, 1], prop[b, 2], prop[b, 3], prop[b, 4],
+                               1.0 if b == 0 else -1.0, obs, params, o00, o01, o10, o11, p00, p01, p11,
+                               U, W, J, E, L, wt, tmp, cst, ones, accb[b])
+            if Mb[b] != Mb[b]:
+                return STATUS_NOT_FINITE
+        if final:
+            break
+        for b in range(2):  # re-centre on the branch posterior of u (moments of u - omega_u)
+            a = accb[b]
+            if not (a[0] > 0.0):
+                continue
+            mu0 = a[2] / a[0]
+            mu1 = a[3] / a[0]
+            c00 = inflate * (a[6] / a[0] - mu0 * mu0) + 1e-13 * (1.0 + v0)
+            c10 = inflate * (a[7] / a[0] - mu1 * mu0)
+            c11 = inflate * (a[8] / a[0] - mu1 * mu1) + 1e-13 * (1.0 + v0)
+            prop[b, 0] = o00 + mu0
+            prop[b, 1] = o01 + mu1
+            if c00 > 0.0:  # (as denoise_one: the factor is kept where the covariance is not PD)
+                l00 = math.sqrt(c00)
+                l10 = c10 / l00
+                r = c11 - l10 * l10
+                if r > 0.0:
+                    prop[b, 2] = l00
+                    prop[b, 3] = l10
+                    prop[b, 4] = math.sqrt(r)
+    M = max(Mb[0], Mb[1])
+    acc = np.zeros(16)
+    if M > -1e308:
+        for b in range(2):
+            if Mb[b] > -1e308:
+                f = math.exp(Mb[b] - M)
+                for q in range(16):
+                    acc[q] += (f * f if q == 1 else f) * accb[b, q]
+    else:
+        M = -math.inf
+    # log prior normalisation, plus the standard-normal density of the rule (D = 2)
+    const = -0.5 * nt * (logdet_V + 2.0 * math.log(2.0 * math.pi)) + math.log(2.0 * math.pi)
+    return _finish_acc(M + const, acc, Vinv, g_out, dg_out, extra)
 
 
 @njit(cache=True)
@@ -1122,14 +1364,14 @@ def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt
         extra[i, 2] = math.nan
         if HAS_POLAR and use_polar:  # (HAS_POLAR is a constant: numba prunes the branch)
             if nodes_k.shape[0] > 0 and gh_plausible(omega[i], Vi):
-                st = denoise_one(obs[i], omega[i], Vi, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
-                                 g_out[i], dg_out[i], extra[i])
+                st = denoise_one_gh_polar(obs[i], omega[i], Vi, params, nodes, log_w, nodes_c, log_w_c, n_adapt,
+                                          inflate, g_out[i], dg_out[i], extra[i])
                 if st == STATUS_OK:
                     g2 = np.empty_like(g_out[i])
                     dg2 = np.empty_like(dg_out[i])
                     e2 = np.empty(3)
-                    st2 = denoise_one(obs[i], omega[i], Vi, params, nodes_k, log_w_k, nodes_c, log_w_c, n_adapt,
-                                      inflate, g2, dg2, e2)
+                    st2 = denoise_one_gh_polar(obs[i], omega[i], Vi, params, nodes_k, log_w_k, nodes_c, log_w_c,
+                                               n_adapt, inflate, g2, dg2, e2)
                     if st2 == STATUS_OK:
                         d = _rel_diff(g_out[i], dg_out[i], extra[i], g2, dg2, e2)
                         if d <= check_tol:

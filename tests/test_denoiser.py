@@ -412,6 +412,34 @@ def test_polar_rows_equals_polar_branch_per_node(seed, c, scale):
         assert np.allclose(W[:, i], w, rtol=1e-12, atol=1e-13 * np.abs(w).max())
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), c=st.sampled_from([0.3, 1.0, 2.5]),
+       v=st.sampled_from([1e-4, 0.02, 0.3, 1.0]), adapt=st.sampled_from([0, 1, 2]))
+def test_polar_gauss_hermite_kernel_equals_scalar_denoise_one(seed, c, v, adapt):
+    """The SIMD adaptive Gauss-Hermite kernel of the polar models (all nodes of a branch at
+    once through polar_rows) == the scalar generic kernel, node rule and adaptation alike."""
+    from aimsym.channel import gauss_hermite_rule
+
+    m = load("attention_L2_T2", skip=c)
+    k = m.denoiser().kernels
+    rng = np.random.default_rng(seed)
+    V = random_spd(rng, 2, 0.5, 1.5) * v
+    om = rng.standard_normal((2, 2)) * 1.5
+    Z = om + np.linalg.cholesky(V) @ rng.standard_normal((2, 2))
+    obs = np.ascontiguousarray(m.observation(Z[None])[0].reshape(-1), dtype=float)
+    X, lw = gauss_hermite_rule(2, 14)
+    Xc, lwc = gauss_hermite_rule(2, 8)
+    res = []
+    for f in (k.denoise_one, k.denoise_one_gh_polar):
+        g, dg, ex = np.empty((2, 2)), np.empty((2, 2, 2, 2)), np.empty(3)
+        assert f(obs, om, V, np.array([c]), X, lw, Xc, lwc, adapt, 1.0, g, dg, ex) == 0
+        res.append((g, dg, ex))
+    (g1, dg1, e1), (g2, dg2, e2) = res
+    assert np.allclose(g2, g1, rtol=0, atol=1e-11 * max(1.0, np.abs(g1).max()))
+    assert np.allclose(dg2, dg1, rtol=0, atol=1e-11 * max(1.0, np.abs(dg1).max()))
+    assert e2[0] == pytest.approx(e1[0], abs=1e-11) and e2[1] == pytest.approx(e1[1], rel=1e-10)
+
+
 def test_simd_exp_and_sincos_match_libm():
     """_vexp: relative error < 5e-16 on [-708, 709] (including the ends and integers k ln 2),
     clipped outside, also in place with a shift; _sincos: < 2e-16 absolute on [-pi/4, pi/4]."""
