@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: ca1478c005423335
-generator: 0.1.0+c52c7bbb91
+generator: 0.1.0+cd02d949d0
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'ca1478c005423335'
-GENERATOR_VERSION = '0.1.0+c52c7bbb91'
+GENERATOR_VERSION = '0.1.0+cd02d949d0'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2
@@ -3963,7 +3963,7 @@ def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt
     the adaptive Gauss-Hermite rule is tried first and kept if it agrees with the smaller rule
     (nodes_k) to check_tol (extra[i, 2] = that difference, else NaN); otherwise, and everywhere
     else, the polar rule. extra[i, 1] is the effective number of nodes, negative where the polar
-    rule was used."""
+    rule was used. Gauss-Hermite on polar models runs ``denoise_one_gh_polar`` (SIMD)."""
     n = omega.shape[0]
     shared = V.shape[0] == 1
     use_polar = rr.shape[0] > 0  # a polar rule was given (HAS_POLAR: the model has one)
@@ -3993,6 +3993,10 @@ def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt
                 status[i] = denoise_one_polar(obs[i], omega[i], Vi, params, pc, ps, plw, rr, w_r, kr,
                                               g_out[i], dg_out[i], extra[i])
             extra[i, 1] = -extra[i, 1]  # negative ess marks the polar rule
+            continue
+        if HAS_POLAR:  # Gauss-Hermite only (an explicit node count): the SIMD kernel, equal to denoise_one
+            status[i] = denoise_one_gh_polar(obs[i], omega[i], Vi, params, nodes, log_w, nodes_c, log_w_c, n_adapt,
+                                             inflate, g_out[i], dg_out[i], extra[i])
             continue
         status[i] = denoise_one(obs[i], omega[i], Vi, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
                                 g_out[i], dg_out[i], extra[i])
