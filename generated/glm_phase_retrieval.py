@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+cd02d949d0
+generator: 0.1.0+9ed50f1719
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+cd02d949d0'
+GENERATOR_VERSION = '0.1.0+9ed50f1719'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1
@@ -1203,6 +1203,8 @@ def denoise_one_gh_polar(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, 
         prop[b, 4] = math.sqrt(v0)
     accb = np.zeros((2, 16))
     Mb = np.empty(2)
+    Cb = np.empty((2, 2))
+    Lc = np.empty((2, 2))
     for it in range(n_adapt + 1):
         final = it == n_adapt
         X = nodes if final else nodes_c
@@ -1222,19 +1224,15 @@ def denoise_one_gh_polar(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, 
                 continue
             mu0 = a[2] / a[0]
             mu1 = a[3] / a[0]
-            c00 = inflate * (a[6] / a[0] - mu0 * mu0) + 1e-13 * (1.0 + v0)
-            c10 = inflate * (a[7] / a[0] - mu1 * mu0)
-            c11 = inflate * (a[8] / a[0] - mu1 * mu1) + 1e-13 * (1.0 + v0)
+            Cb[0, 0] = inflate * (a[6] / a[0] - mu0 * mu0) + 1e-13 * (1.0 + v0)
+            Cb[1, 0] = Cb[0, 1] = inflate * (a[7] / a[0] - mu1 * mu0)
+            Cb[1, 1] = inflate * (a[8] / a[0] - mu1 * mu1) + 1e-13 * (1.0 + v0)
             prop[b, 0] = o00 + mu0
             prop[b, 1] = o01 + mu1
-            if c00 > 0.0:  # (as denoise_one: the factor is kept where the covariance is not PD)
-                l00 = math.sqrt(c00)
-                l10 = c10 / l00
-                r = c11 - l10 * l10
-                if r > 0.0:
-                    prop[b, 2] = l00
-                    prop[b, 3] = l10
-                    prop[b, 4] = math.sqrt(r)
+            if _cholesky(Cb, Lc):  # (as denoise_one: the factor is kept where Cb is not PD)
+                prop[b, 2] = Lc[0, 0]
+                prop[b, 3] = Lc[1, 0]
+                prop[b, 4] = Lc[1, 1]
     M = max(Mb[0], Mb[1])
     acc = np.zeros(16)
     if M > -1e308:
