@@ -37,6 +37,7 @@ unless a ``tol`` is given too. ``den(..., tol=None)`` skips the control for one 
 
 from __future__ import annotations
 
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -67,6 +68,8 @@ GH_CHECK_TOL = 1e-10
 # error target of the default denoiser (model.denoiser() without rule sizes), see ``tol``
 DEFAULT_TOL = 1e-8
 MAX_TENSOR_NODES = 200_000
+# memory for the node tables of one call (about 0.1 MB per table at the default rule)
+MAX_TABLE_BYTES = 2**28
 
 _STATUS = {
     1: ("V", "is not symmetric positive definite"),
@@ -189,6 +192,8 @@ class Denoiser:
             tol = DEFAULT_TOL if (defaults and self.path == "exact" and self.dim > 0) else None
         self.tol = _check_tol(tol)
         self._rule_cache = {}
+        self._tables = {}  # node tables of the mapped polar rule per rule size (``_node_tables``)
+        self._table_lock = threading.Lock()
         # the adaptation passes only need the posterior's mean and covariance: a coarser rule
         self._rule_coarse = gauss_hermite_rule(self.dim, max(6, self.nodes // 2))
 
@@ -429,11 +434,53 @@ class Denoiser:
         nc, lwc = self._rule_coarse
         if not len(rr):  # no polar rule: no Gauss-Hermite check either
             nk, lwk = np.zeros((0, max(self.dim, 1))), np.zeros(0)
+        G, gidx = self._node_tables(omega, V, xa, wa, rr, w_r, len(nk) > 0)
         self.kernels.denoise_batch(obs, omega, V, self.params, nodes, lw, nc, lwc, self.adapt, self.inflate,
                                    pc, ps, plw, rr, w_r, POLAR_RADIUS, self.polar_map == "sinh", xa, wa,
-                                   POLAR_KAPPA, POLAR_CRAD, nk, lwk, self.check_tol, g, dg, extra, status)
+                                   POLAR_KAPPA, POLAR_CRAD, nk, lwk, self.check_tol, G, gidx, g, dg, extra, status)
         self._raise(status)
         return g, dg, extra
+
+    def _node_tables(self, omega, V, xa, wa, rr, w_r, skip_gh):
+        """Node tables of the mapped polar rule (driver ``polar_tables``): the full-disk radius is
+        rounded up to a grid and the solved row is w = M(u)^{-1} h, so the node geometry and
+        M^{-1} are computed once per grid radius and kept for every later sample and call with
+        it, instead of per sample. Returns the rule's table array and each sample's table (-1:
+        the per-sample kernel, for a domain cut around omega_u or where Gauss-Hermite is tried
+        first). Results equal the per-sample kernel's up to rounding (tests)."""
+        k = self.kernels
+        n = omega.shape[0]
+        if not (len(rr) and self.polar_map == "sinh" and k.POLAR_LINEAR_OBS):
+            return np.zeros((0, 1, 1)), np.full(n, -1, dtype=np.int64)
+        key = np.empty(n, dtype=np.int64)
+        k.polar_table_keys(omega, V, POLAR_RADIUS, skip_gh, key)
+        plain = key != k.NO_TABLE
+        rows, NT = k.POLAR_TABLE_ROWS, k.polar_table_nodes(len(xa), len(rr))
+        room = MAX_TABLE_BYTES // (8 * rows * NT)
+        with self._table_lock:
+            G, slots = self._tables.get((len(xa), len(rr)), (np.zeros((0, rows, NT)), {}))
+            if not plain.any():
+                return G, np.full(n, -1, dtype=np.int64)
+            lo = int(key[plain].min())
+            present = np.flatnonzero(np.bincount(key[plain] - lo)) + lo  # the batch's grid radii
+            new = np.array([q for q in present.tolist() if q not in slots], dtype=np.int64)
+            if len(slots) + new.size > room:  # memory cap: start the cache afresh with this batch's tables
+                G, slots, new = np.zeros((0, rows, NT)), {}, present[:room]
+            if new.size:
+                used = len(slots)
+                if used + new.size > G.shape[0]:  # grow (doubling), keeping the cached tables
+                    grown = np.empty((min(room, max(2 * G.shape[0], used + new.size)), rows, NT))
+                    grown[:used] = G[:used]
+                    G = grown
+                k.polar_tables(new, self.params, xa, wa, rr, w_r, POLAR_KAPPA, POLAR_CRAD, G[used:used + new.size])
+                slots.update({q: used + j for j, q in enumerate(new.tolist())})
+                self._tables[(len(xa), len(rr))] = (G, slots)
+            lut = np.full(present[-1] - lo + 1, -1, dtype=np.int64)
+            for q in present.tolist():
+                lut[q - lo] = slots.get(q, -1)
+        gidx = np.full(n, -1, dtype=np.int64)
+        gidx[plain] = lut[key[plain] - lo]
+        return G, gidx
 
     @staticmethod
     def _raise(status):

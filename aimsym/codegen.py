@@ -298,7 +298,7 @@ def _polar_kernels(spec: Spec, d: Derivation) -> list[str]:
     if not _polar_angles(spec, d):
         lines += ["    return math.nan", "", "", "@njit(cache=True)", "def polar_branch(u, obs, params, w):",
                   "    return math.nan", "", "", "@njit(cache=True)", "def polar_rows(U, n, obs, params, W, J, E, tmp):",
-                  "    return None", "", "", "POLAR_ROWS = 1"]
+                  "    return None", "", "", "POLAR_ROWS = 1", "POLAR_LINEAR_OBS = False"]
         return lines
     from .symbolic import param_symbol
 
@@ -377,7 +377,11 @@ def _polar_rows_kernel(d: Derivation, body: list[str], reduced: list[str]) -> li
     for j, (k, t) in enumerate(red.solved):
         lines.append(f"        W[{t}, i] = {reduced[j]}")
     lines.append(f"        J[i] = {_reuse_reciprocal(reduced[-1], body)}")
-    lines += ["", "", f"POLAR_ROWS = {n_rows}"]
+    # the solved row w = M(u)^{-1} h is linear in the observation: a node table of M^{-1} (and
+    # of the nodes and weights) then serves every sample of a batch (driver: polar_tables)
+    linear = all(sp.diff(e, a, b) == 0 and e.subs({s: 0 for s in red.obs}) == 0
+                 for e in red.branches[0] for a in red.obs for b in red.obs)
+    lines += ["", "", f"POLAR_ROWS = {n_rows}", f"POLAR_LINEAR_OBS = {linear}"]
     return lines
 
 

@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+9ed50f1719
+generator: 0.1.0+4bf79c4de6
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+9ed50f1719'
+GENERATOR_VERSION = '0.1.0+4bf79c4de6'
 NAME = 'gaussian_channel'
 P = 1
 T = 1
@@ -135,6 +135,7 @@ def polar_rows(U, n, obs, params, W, J, E, tmp):
 
 
 POLAR_ROWS = 1
+POLAR_LINEAR_OBS = False
 
 
 # ============================================================================
@@ -607,11 +608,23 @@ _EXP_Q = (1.0, 0.5000000000000006, 0.1666666666666667, 0.04166666666657314, 0.00
 
 
 @njit(cache=True, fastmath={"contract"})
+def _exp_parts(x):
+    """exp(x) = p * 2^k (x clipped to [-708, 709]): returns p and k + 1023 + 2^52 as a double,
+    whose low mantissa bits hold k + 1023 (inlined into the SIMD loops below)."""
+    xi = min(max(x, -708.0), 709.0)
+    k = (xi * _LOG2E + _ROUND) - _ROUND
+    r = (xi - k * _LN2_HI) - k * _LN2_LO
+    p = 1.0 + r * (_EXP_Q[0] + r * (_EXP_Q[1] + r * (_EXP_Q[2] + r * (_EXP_Q[3] + r * (_EXP_Q[4] + r * (
+        _EXP_Q[5] + r * (_EXP_Q[6] + r * (_EXP_Q[7] + r * (_EXP_Q[8] + r * (_EXP_Q[9] + r * _EXP_Q[10]))))))))))
+    return p, k + 4503599627371519.0
+
+
+@njit(cache=True, fastmath={"contract"})
 def _vexp(x, out, n, tmp, shift):
     """out[:n] = exp(x[:n] - shift) (argument clipped to [-708, 709]; out may be x); tmp:
     scratch (n), distinct from both. x - shift is first written to tmp: LLVM vectorises a loop
     only after a runtime check that its arrays do not overlap, so reading x while writing
-    out = x would run scalar (3x slower).
+    out = x would run scalar (3x slower); ``_vexp_to`` skips the copy where out is not x.
     2^k: k + 1023 + 2^52 as a double holds k + 1023 in its low mantissa bits; shifted left by
     52 as an int64 that becomes the exponent field (no double -> int conversion, which AVX2
     cannot vectorise)."""
@@ -619,12 +632,18 @@ def _vexp(x, out, n, tmp, shift):
         tmp[i] = x[i] - shift
     bits = tmp.view(np.int64)
     for i in range(n):
-        xi = min(max(tmp[i], -708.0), 709.0)
-        k = (xi * _LOG2E + _ROUND) - _ROUND
-        r = (xi - k * _LN2_HI) - k * _LN2_LO
-        out[i] = 1.0 + r * (_EXP_Q[0] + r * (_EXP_Q[1] + r * (_EXP_Q[2] + r * (_EXP_Q[3] + r * (_EXP_Q[4] + r * (
-            _EXP_Q[5] + r * (_EXP_Q[6] + r * (_EXP_Q[7] + r * (_EXP_Q[8] + r * (_EXP_Q[9] + r * _EXP_Q[10]))))))))))
-        tmp[i] = k + 4503599627371519.0  # k + 1023 + 2^52
+        out[i], tmp[i] = _exp_parts(tmp[i])
+    for i in range(n):
+        bits[i] = bits[i] << 52
+        out[i] *= tmp[i]
+
+
+@njit(cache=True, fastmath={"contract"})
+def _vexp_to(x, out, n, tmp, shift):
+    """``_vexp`` for out distinct from x: no copy pass (~12 % faster); tmp: scratch (n)."""
+    bits = tmp.view(np.int64)
+    for i in range(n):
+        out[i], tmp[i] = _exp_parts(x[i] - shift)
     for i in range(n):
         bits[i] = bits[i] << 52
         out[i] *= tmp[i]
@@ -649,6 +668,64 @@ POLAR_CORE = 1.5
 
 
 @njit(cache=True)
+def _polar_domain(omega, V, kr):
+    """|omega_u|, the prior sd of u, arg omega_u mod pi, the inner radius r_lo of the domain
+    (> 0: the annular sector around omega_u) and whether a full-disk prior sits off the origin
+    (|omega_u| > POLAR_OFF sd)."""
+    o00 = omega[0, 0]
+    o01 = omega[0, 1]
+    mu = math.sqrt(o00 * o00 + o01 * o01)
+    su = math.sqrt(max(V[0, 0], 0.0))
+    r_lo = max(0.0, mu - kr * su)
+    return mu, su, math.atan2(o01, o00) % math.pi, r_lo, mu > POLAR_OFF * su
+
+
+@njit(cache=True)
+def _disk_pieces(phi, core):
+    """Full-disk angular pieces in [0, pi]: the sectors between switching lines (POLAR_ANGLES),
+    also cut at phi +- core (mod pi) when core < pi / 2; ends and whether each is a switching
+    line."""
+    pa = np.empty(16)
+    pb = np.empty(16)
+    pea = np.zeros(16, dtype=np.bool_)
+    peb = np.zeros(16, dtype=np.bool_)
+    n_pc = 0
+    cuts = np.empty(2)
+    n_cut = 0
+    if core < 0.5 * math.pi:
+        for c in (phi - core, phi + core):
+            cuts[n_cut] = c % math.pi
+            n_cut += 1
+    for e in range(POLAR_ANGLES.shape[0] - 1):
+        ta = POLAR_ANGLES[e]
+        tb = POLAR_ANGLES[e + 1]
+        if tb > math.pi + 1e-12:
+            break
+        lo = ta
+        lo_sw = True
+        for _ in range(2):  # the cuts inside this sector, in increasing order
+            nxt = tb
+            for k in range(n_cut):
+                if lo < cuts[k] < nxt:
+                    nxt = cuts[k]
+            if nxt >= tb:
+                break
+            pa[n_pc] = lo
+            pb[n_pc] = nxt
+            pea[n_pc] = lo_sw
+            peb[n_pc] = False
+            n_pc += 1
+            lo = nxt
+            lo_sw = False
+        pa[n_pc] = lo
+        pb[n_pc] = tb
+        pea[n_pc] = lo_sw
+        peb[n_pc] = True
+        n_pc += 1
+    return pa[:n_pc], pb[:n_pc], pea[:n_pc], peb[:n_pc]
+
+
+@njit(cache=True)
 def _polar_pieces(omega, V, kr, crad):
     """Angular pieces in [0, pi] of the mapped polar rule (u and -u are visited together) and
     the radial range: each sector between switching lines (POLAR_ANGLES), intersected with the
@@ -658,60 +735,24 @@ def _polar_pieces(omega, V, kr, crad):
     angle (width sd / |omega_u|): the sectors are also cut POLAR_CORE sd around its direction,
     else the nodes graded towards the switching lines leave it under-resolved when it sits
     inside a sector (errors up to 5e-5 at the default size, V = 0.3 I), and its radial grading
-    starts from the scale of its inner side. Returns R, r_lo, the radial scale c_eff of
+    starts from the scale of its inner side. The full disk's radius is rounded up to the grid of
+    ``_grid_radius`` (node tables). Returns R, r_lo, the radial scale c_eff of
     r^2 = r_lo^2 + c_eff (e^s - 1), and per piece its ends and whether each end is a switching
     line (which gets the sinh map; an inner end gets plain Gauss-Legendre)."""
-    o00 = omega[0, 0]
-    o01 = omega[0, 1]
-    mu = math.sqrt(o00 * o00 + o01 * o01)
-    su = math.sqrt(max(V[0, 0], 0.0))
+    mu, su, phi, r_lo, off = _polar_domain(omega, V, kr)
     R = polar_radius(omega, V, kr)
-    r_lo = max(0.0, mu - kr * su)
+    if r_lo <= 0.0:
+        core = POLAR_CORE * su / mu if off else math.pi  # (>= pi/2: no cut)
+        # logarithmic from the origin; a bump off it: from its inner side's scale, so that fewer
+        # nodes sit near the origin (halves the points above 1e-8 at (9, 24), V = 0.1 I)
+        c_eff = max(crad, (mu - 2.0 * su) ** 2) if off else crad
+        pa, pb, pea, peb = _disk_pieces(phi, core)
+        return _grid_radius(R), r_lo, c_eff, pa, pb, pea, peb
     pa = np.empty(16)
     pb = np.empty(16)
     pea = np.zeros(16, dtype=np.bool_)
     peb = np.zeros(16, dtype=np.bool_)
     n_pc = 0
-    phi = math.atan2(o01, o00) % math.pi
-    if r_lo <= 0.0:
-        off = mu > POLAR_OFF * su
-        core = POLAR_CORE * su / mu if off else math.pi  # (>= pi/2: no cut)
-        # logarithmic from the origin; a bump off it: from its inner side's scale, so that fewer
-        # nodes sit near the origin (halves the points above 1e-8 at (9, 24), V = 0.1 I)
-        c_eff = max(crad, (mu - 2.0 * su) ** 2) if off else crad
-        cuts = np.empty(2)
-        n_cut = 0
-        if core < 0.5 * math.pi:
-            for c in (phi - core, phi + core):
-                cuts[n_cut] = c % math.pi
-                n_cut += 1
-        for e in range(POLAR_ANGLES.shape[0] - 1):
-            ta = POLAR_ANGLES[e]
-            tb = POLAR_ANGLES[e + 1]
-            if tb > math.pi + 1e-12:
-                break
-            lo = ta
-            lo_sw = True
-            for _ in range(2):  # the cuts inside this sector, in increasing order
-                nxt = tb
-                for k in range(n_cut):
-                    if lo < cuts[k] < nxt:
-                        nxt = cuts[k]
-                if nxt >= tb:
-                    break
-                pa[n_pc] = lo
-                pb[n_pc] = nxt
-                pea[n_pc] = lo_sw
-                peb[n_pc] = False
-                n_pc += 1
-                lo = nxt
-                lo_sw = False
-            pa[n_pc] = lo
-            pb[n_pc] = tb
-            pea[n_pc] = lo_sw
-            peb[n_pc] = True
-            n_pc += 1
-        return R, r_lo, c_eff, pa[:n_pc], pb[:n_pc], pea[:n_pc], peb[:n_pc]
     dlt = math.asin(min(1.0, kr * su / mu))
     core = min(dlt, 3.0 * su / mu)
     for e in range(POLAR_ANGLES.shape[0] - 1):
@@ -911,8 +952,9 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     serves the four points (+-u, +-w), and only the half plane 0 <= theta <= pi is visited.
 
     Radius: rho = r^2 = crad (e^s - 1), Gauss-Legendre in s on [0, log(1 + R^2 / crad)] (xr, wr
-    on [-1, 1]), R = polar_radius(omega, V, kr): summed over +-u the integrand is analytic in
-    rho, and the logits grow like rho, so a logarithmic grading resolves every scale.
+    on [-1, 1]), R = polar_radius(omega, V, kr) (on the full disk rounded up to the grid of
+    ``_grid_radius``): summed over +-u the integrand is analytic in rho, and the logits grow
+    like rho, so a logarithmic grading resolves every scale.
     Angle: sectors cut on the lines where the attention switches (POLAR_ANGLES in [0, pi]),
     each split in halves; from each edge psi = eps sinh(tau) with eps = kappa / (beta r^2),
     Gauss-Legendre in tau on [0, asinh(half width / eps)] (xa, wa on [-1, 1]): the logit of
@@ -922,23 +964,37 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     starts from the scale of its inner side, crad -> max(crad, (|omega_u| - 2 sd)^2).
 
     All nodes are processed at once, stage by stage, in loops that LLVM vectorises (``_vexp``,
-    ``_sincos``, the generated ``polar_rows``); the log-sum-exp shift is the exact maximum."""
-    nt = T
+    ``_sincos``, the generated ``polar_rows``); the log-sum-exp shift is the exact maximum.
+    ``denoise_one_polar_table`` is the same rule from a node table shared by a batch."""
     Vinv = np.empty((2, 2))
     logdet_V = _precision(V, Vinv)
     if logdet_V != logdet_V:
         return STATUS_BAD_V
-    p00 = Vinv[0, 0]
-    p01 = Vinv[0, 1]
-    p11 = Vinv[1, 1]
-    o00 = omega[0, 0]
-    o01 = omega[0, 1]
-    o10 = omega[1, 0]
-    o11 = omega[1, 1]
     R, r_lo, c_eff, pa, pb, pea, peb = _polar_pieces(omega, V, kr, crad)
+    U, wpsi = _mapped_nodes(R, r_lo, c_eff, pa, pb, pea, peb, abs(polar_beta(params)), xa, wa, xr, wr, kappa)
+    NT = U.shape[1]
+    W = np.empty((2, NT))
+    J = np.empty(NT)
+    E = np.empty((POLAR_ROWS, NT))
+    tmp = np.empty(NT)
+    polar_rows(U, NT, obs, params, W, J, E, tmp)
+    _polar_node_weights(W, J, wpsi, NT)
+    L = np.empty((4, NT))
+    _polar_log_weights(U, W, omega[0, 0], omega[0, 1], omega[1, 0], omega[1, 1], Vinv[0, 0], Vinv[0, 1], Vinv[1, 1],
+                       NT, L)
+    nan = _nan_sum(L, NT)
+    if nan != nan:
+        return STATUS_NOT_FINITE
+    M = _max_log_weight(L, J, tmp, NT)
+    return _mapped_sums(U, W, J, L, M, NT, omega, Vinv, logdet_V, g_out, dg_out, extra)
+
+
+@njit(cache=True, error_model="numpy")
+def _mapped_nodes(R, r_lo, c_eff, pa, pb, pea, peb, beta, xa, wa, xr, wr, kappa):
+    """Nodes U (2, NT) and weights (NT) of the mapped polar rule on the domain of
+    ``_polar_pieces`` (radius-major: node j * N + i, N angle nodes per radius)."""
     n_pc = pa.shape[0]
     rho_lo = r_lo * r_lo
-    beta = abs(polar_beta(params))
     Slog = math.log1p((R * R - rho_lo) / c_eff)
     na = xa.shape[0]
     nr = xr.shape[0]
@@ -972,16 +1028,11 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
                 tab[8, i] = 1.0 if mapped else 0.0
                 i += 1
     # all nodes at once (radius-major, index j * N + i): one pass per stage over ~1e3 nodes,
-    # so the loops run in SIMD with little overhead, and the log-sum-exp shift is the exact
-    # maximum (no streaming)
-    buf = np.empty((6, NT))
-    tau, ex, tmp, psi, wpsi, J = buf[0], buf[1], buf[2], buf[3], buf[4], buf[5]
+    # so the loops run in SIMD with little overhead
+    buf = np.empty((5, NT))
+    tau, ex, tmp, psi, wpsi = buf[0], buf[1], buf[2], buf[3], buf[4]
     U = np.empty((2, NT))
-    W = np.empty((2, NT))
     SC = np.empty((2, NT))  # sin, cos of psi
-    E = np.empty((POLAR_ROWS, NT))
-    L = np.empty((4, NT))
-    wt = np.empty((4, NT))
     rr = np.empty(nr)
     epsr = np.empty(nr)
     wradr = np.empty(nr)
@@ -1003,7 +1054,7 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
         for i in range(N):
             tj[i] = Tmn[i] * tab[4, i]
             wj[i] = Tmn[i] * tab[5, i]
-    _vexp(tau, ex, NT, tmp, 0.0)
+    _vexp_to(tau, ex, NT, tmp, 0.0)
     for j in range(nr):
         # psi = eps sinh(tau) next to a switching line (the absolute error of (e - 1/e) / 2
         # is ~1e-16), plain Gauss-Legendre at an inner end; times the radial weight
@@ -1026,22 +1077,171 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
             c_ = SC[1, j * N + i]
             U[0, j * N + i] = r * (tab[0, i] * c_ - tab[3, i] * s_)
             U[1, j * N + i] = r * (tab[1, i] * c_ + tab[2, i] * s_)
-    polar_rows(U, NT, obs, params, W, J, E, tmp)
-    _polar_node_weights(W, J, wpsi, NT)
-    _polar_log_weights(U, W, o00, o01, o10, o11, p00, p01, p11, NT, L)
-    nan = _nan_sum(L, NT)
-    if nan != nan:
-        return STATUS_NOT_FINITE
-    M = _max_log_weight(L, J, tmp, NT)
+    return U, wpsi
+
+
+@njit(cache=True, error_model="numpy")
+def _mapped_sums(U, W, J, L, M, NT, omega, Vinv, logdet_V, g_out, dg_out, extra):
+    """From the log weights L (finite) of the four sign pairs at the nodes U, W (node weights J,
+    zero off the domain) and their maximum M over the nodes with J > 0 (-1e308: none):
+    log-sum-exp and the moment sums -> g_out, dg_out, log Z."""
+    o00 = omega[0, 0]
+    o01 = omega[0, 1]
+    o10 = omega[1, 0]
+    o11 = omega[1, 1]
+    wt = np.empty((4, NT))
+    tmp = np.empty(NT)
     acc = np.zeros(16)
-    const = -0.5 * nt * (logdet_V + 2.0 * math.log(2.0 * math.pi))
+    const = -0.5 * T * (logdet_V + 2.0 * math.log(2.0 * math.pi))
     if M > -1e308:
         for s in range(4):
-            _vexp(L[s], wt[s], NT, tmp, M)
+            _vexp_to(L[s], wt[s], NT, tmp, M)
         _polar_moments(wt, J, U, W, o00, o01, o10, o11, NT, acc)
     else:
         M = -math.inf
     return _finish_acc(M + const, acc, Vinv, g_out, dg_out, extra)
+
+
+# node tables: the full-disk radius is rounded up to 2^(k / POLAR_GRID), so that the samples of a
+# batch share a few node sets; a table holds U (2 rows), A = M(u)^{-1} (T x T, row-major: the
+# solved row is w = A h when POLAR_LINEAR_OBS) and the node weight times 1/|det M|
+POLAR_GRID = 8
+POLAR_TABLE_ROWS = 3 + T * T
+
+
+@njit(cache=True)
+def _grid_index(R):
+    """k with R <= 2^(k / POLAR_GRID) < 2^(1 / POLAR_GRID) R."""
+    return int(math.ceil(POLAR_GRID * math.log2(R)))
+
+
+@njit(cache=True)
+def _grid_radius(R):
+    """R rounded up to the grid 2^(k / POLAR_GRID) (at most 9 % larger: the radial rule is
+    logarithmic, so this barely moves it, and samples then share node tables)."""
+    return 2.0 ** (_grid_index(R) / POLAR_GRID)
+
+
+@njit(cache=True)
+def polar_table_nodes(na, nr):
+    """Number of nodes of a node table (plain full disk) of the rule (na, nr)."""
+    pa, pb, pea, peb = _disk_pieces(0.0, math.pi)
+    return pa.shape[0] * 2 * na * nr
+
+
+NO_TABLE = -(2**62)
+
+
+@njit(cache=True)
+def polar_table_keys(omega, V, kr, skip_gh, out):
+    """Per sample (V leading size 1 or N), the grid index k of its node table (radius
+    2^(k / POLAR_GRID), ``_grid_radius``) where the mapped rule's domain is the plain full disk
+    (no cut around arg omega_u, see ``_polar_pieces``), else NO_TABLE; NO_TABLE also where the
+    Gauss-Hermite path is tried first (skip_gh and ``gh_plausible``)."""
+    shared = V.shape[0] == 1
+    for i in range(omega.shape[0]):
+        Vi = V[0] if shared else V[i]
+        mu, su, phi, r_lo, off = _polar_domain(omega[i], Vi, kr)
+        plain = r_lo <= 0.0 and not off and su > 0.0 and not (skip_gh and gh_plausible(omega[i], Vi))
+        out[i] = _grid_index(polar_radius(omega[i], Vi, kr)) if plain else NO_TABLE
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def polar_tables(keys, params, xa, wa, xr, wr, kappa, crad, G):
+    """G[k]: node table of the mapped rule on the plain full disk of radius 2^(keys[k] / POLAR_GRID)
+    (``polar_table_keys``; rows: U (2),
+    A = M(u)^{-1} at 2 + t T + j, the node weight times 1/|det M|; A and the weight are zero
+    where det M = 0). A's column j is polar_rows at the observation e_j."""
+    beta = abs(polar_beta(params))
+    pa, pb, pea, peb = _disk_pieces(0.0, math.pi)
+    for k in prange(keys.shape[0]):
+        U, wpsi = _mapped_nodes(2.0 ** (keys[k] / POLAR_GRID), 0.0, crad, pa, pb, pea, peb, beta, xa, wa, xr, wr, kappa)
+        NT = U.shape[1]
+        W = np.empty((T, NT))
+        J = np.empty(NT)
+        E = np.empty((POLAR_ROWS, NT))
+        tmp = np.empty(NT)
+        e = np.zeros(T)
+        Gk = G[k]
+        for i in range(NT):
+            Gk[0, i] = U[0, i]
+            Gk[1, i] = U[1, i]
+        for j in range(T):
+            e[:] = 0.0
+            e[j] = 1.0
+            polar_rows(U, NT, e, params, W, J, E, tmp)
+            for t in range(T):
+                for i in range(NT):
+                    Gk[2 + t * T + j, i] = W[t, i]
+        for i in range(NT):  # (J does not depend on the observation)
+            ok = (J[i] >= 0.0) & (J[i] < math.inf)
+            Gk[POLAR_TABLE_ROWS - 1, i] = wpsi[i] * J[i] if ok else 0.0
+            if not ok:
+                for q in range(2, POLAR_TABLE_ROWS - 1):
+                    Gk[q, i] = 0.0
+
+
+@njit(cache=True, error_model="numpy")
+def denoise_one_polar_table(obs, omega, V, Gk, g_out, dg_out, extra):
+    """``denoise_one_polar_mapped`` from a node table (``polar_tables``): the solved rows are
+    w = A h, so a sample costs only its weights and moment sums (the node geometry and
+    ``polar_rows``, about half the work, are shared by the batch). Equal to the per-sample
+    kernel up to rounding (tests)."""
+    Vinv = np.empty((2, 2))
+    logdet_V = _precision(V, Vinv)
+    if logdet_V != logdet_V:
+        return STATUS_BAD_V
+    NT = Gk.shape[1]
+    W = np.empty((2, NT))
+    L = np.empty((4, NT))
+    tmp = np.empty(NT)
+    nan = _table_log_weights(Gk, obs[0], obs[1], omega[0, 0], omega[0, 1], omega[1, 0], omega[1, 1], Vinv[0, 0],
+                             Vinv[0, 1], Vinv[1, 1], NT, W, L, tmp)
+    if nan != nan:
+        return STATUS_NOT_FINITE
+    M = _running_max(tmp, NT)
+    return _mapped_sums(Gk[0:2], W, Gk[POLAR_TABLE_ROWS - 1], L, M, NT, omega, Vinv, logdet_V, g_out, dg_out, extra)
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _table_log_weights(Gk, h0, h1, o00, o01, o10, o11, p00, p01, p11, n, W, L, tmp):
+    """W = A h (T = 2), the log weights of ``_polar_log_weights`` and their maximum per node
+    (tmp; -1e308 where the node weight is 0) at the table's nodes i < n, in one pass (four
+    arrays: the loop vectorises). Returns the sum of L: NaN iff an entry is NaN."""
+    nan = 0.0
+    for i in range(n):
+        u0 = Gk[0, i]
+        u1 = Gk[1, i]
+        w0 = Gk[2, i] * h0 + Gk[3, i] * h1
+        w1 = Gk[4, i] * h0 + Gk[5, i] * h1
+        W[0, i] = w0
+        W[1, i] = w1
+        dp0 = u0 - o00
+        dp1 = u1 - o01
+        dm0 = -u0 - o00
+        dm1 = -u1 - o01
+        ep0 = w0 - o10
+        ep1 = w1 - o11
+        em0 = -w0 - o10
+        em1 = -w1 - o11
+        qup = p00 * (dp0 * dp0 + dp1 * dp1)
+        qum = p00 * (dm0 * dm0 + dm1 * dm1)
+        qwp = p11 * (ep0 * ep0 + ep1 * ep1)
+        qwm = p11 * (em0 * em0 + em1 * em1)
+        L[0, i] = -0.5 * (qup + qwp) - p01 * (dp0 * ep0 + dp1 * ep1)
+        L[1, i] = -0.5 * (qup + qwm) - p01 * (dp0 * em0 + dp1 * em1)
+        L[2, i] = -0.5 * (qum + qwp) - p01 * (dm0 * ep0 + dm1 * ep1)
+        L[3, i] = -0.5 * (qum + qwm) - p01 * (dm0 * em0 + dm1 * em1)
+        l0 = L[0, i]
+        l1 = L[1, i]
+        l2 = L[2, i]
+        l3 = L[3, i]
+        nan += (l0 + l1) + (l2 + l3)
+        a = l0 if l0 > l1 else l1
+        b = l2 if l2 > l3 else l3
+        m = a if a > b else b
+        tmp[i] = m if Gk[POLAR_TABLE_ROWS - 1, i] > 0.0 else -1e308
+    return nan
 
 
 @njit(cache=True, fastmath={"contract"})
@@ -1153,7 +1353,7 @@ def _gh_branch(X, lw_rule, n, m0, m1, l00, l10, l11, sg, obs, params, o00, o01, 
         return math.nan
     M = _running_max(tmp, n)
     if M > -1e308:
-        _vexp(L, wt, n, tmp, M)
+        _vexp_to(L, wt, n, tmp, M)
         _gh_moments(wt, J, U, W, sg, o00, o01, o10, o11, n, acc)
     else:
         acc[:] = 0.0
@@ -1280,14 +1480,15 @@ def _rel_diff(g1, dg1, e1, g2, dg2, e2):
 @njit(cache=True, parallel=True)
 def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
                   pc, ps, plw, rr, w_r, kr, mapped, xa, wa, kappa, crad, nodes_k, log_w_k, check_tol,
-                  g_out, dg_out, extra, status):
+                  G, gidx, g_out, dg_out, extra, status):
     """Batch over the leading axis; V has leading size 1 (shared) or N.
 
     Models with POLAR_ANGLES (and a polar rule given, rr non-empty): where ``gh_plausible``,
     the adaptive Gauss-Hermite rule is tried first and kept if it agrees with the smaller rule
     (nodes_k) to check_tol (extra[i, 2] = that difference, else NaN); otherwise, and everywhere
     else, the polar rule. extra[i, 1] is the effective number of nodes, negative where the polar
-    rule was used. Gauss-Hermite on polar models runs ``denoise_one_gh_polar`` (SIMD)."""
+    rule was used. Gauss-Hermite on polar models runs ``denoise_one_gh_polar`` (SIMD). The mapped
+    rule reads the node table G[gidx[i]] (``polar_tables``) where gidx[i] >= 0."""
     n = omega.shape[0]
     shared = V.shape[0] == 1
     use_polar = rr.shape[0] > 0  # a polar rule was given (HAS_POLAR: the model has one)
@@ -1310,7 +1511,9 @@ def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt
                             extra[i, 2] = d
                             status[i] = STATUS_OK
                             continue
-            if mapped:
+            if mapped and gidx[i] >= 0:
+                status[i] = denoise_one_polar_table(obs[i], omega[i], Vi, G[gidx[i]], g_out[i], dg_out[i], extra[i])
+            elif mapped:
                 status[i] = denoise_one_polar_mapped(obs[i], omega[i], Vi, params, xa, wa, rr, w_r, kr, kappa, crad,
                                                      g_out[i], dg_out[i], extra[i])
             else:

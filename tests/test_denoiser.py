@@ -14,6 +14,7 @@ from scipy.stats import norm
 import aimsym
 from aimsym import spec as S
 from aimsym.codegen import REPO_ROOT
+from aimsym.channel import POLAR_CRAD, POLAR_KAPPA, POLAR_RADIUS
 from aimsym.errors import ChannelError
 
 D = REPO_ROOT / "derivations"
@@ -388,6 +389,66 @@ def test_mapped_polar_rule_vectorised_equals_scalar_loop():
             one = den(y[i], om[i], Vs if shared else V[i])
             assert np.array_equal(one.g_out, batch.g_out[i]) and np.array_equal(one.dg_out, batch.dg_out[i])
             assert np.array_equal(one.log_z_out, batch.log_z_out[i])
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), c=st.sampled_from([0.05, 0.5, 1.0, 3.0]),
+       v=st.sampled_from([0.05, 0.3, 1.0, 4.0]), scale=st.sampled_from([0.2, 0.6, 1.5]))
+def test_node_table_kernel_equals_per_sample_kernel(seed, c, v, scale):
+    """The mapped rule from the batch's shared node tables (geometry and M(u)^{-1} once per grid
+    radius, w = M^{-1} h per sample) == the per-sample kernel that builds its nodes and runs
+    polar_rows itself, to rounding; every plain full-disk sample takes the table path."""
+    m = load("attention_L2_T2", skip=c)
+    den = m.denoiser(tol=None, polar=(7, 18), check_tol=0.0)
+    k = den.kernels
+    rng = np.random.default_rng(seed)
+    V = random_spd(rng, 2, 0.5, 1.5) * v
+    om = scale * np.sqrt(v) * rng.standard_normal((6, 2, 2))
+    y = m.link(om + np.linalg.cholesky(V) @ rng.standard_normal((6, 2, 2)))
+    out = den(y, om, V)
+    obs = den.observe(y)
+    _, _, _, rr, w_r, xa, wa = den._polar_tables(den.polar)
+    G, gidx = den._node_tables(om, V[None], xa, wa, rr, w_r, False)
+    for i in range(len(y)):
+        mu, su = np.hypot(*om[i, 0]), np.sqrt(V[0, 0])
+        assert (gidx[i] >= 0) == (mu <= k.POLAR_OFF * su)  # tables exactly where the domain is the plain disk
+        g, dg, ex = np.empty((2, 2)), np.empty((2, 2, 2, 2)), np.empty(3)
+        assert k.denoise_one_polar_mapped(obs[i], om[i], V, den.params, xa, wa, rr, w_r, POLAR_RADIUS, POLAR_KAPPA,
+                                          POLAR_CRAD, g, dg, ex) == 0
+        assert np.allclose(out.g_out[i], g, rtol=0, atol=1e-11 * max(1.0, np.abs(g).max()))
+        assert np.allclose(out.dg_out[i], dg, rtol=0, atol=1e-11 * max(1.0, np.abs(dg).max()))
+        assert out.log_z_out[i] == pytest.approx(ex[0], abs=1e-11)
+
+
+def test_node_tables_are_cached_and_do_not_depend_on_the_batch(monkeypatch):
+    """Tables are kept across calls (a second call builds none) and results do not depend on
+    the batch or the call history: a fresh denoiser, a cached one and a single sample agree
+    bit for bit. Under a memory cap (the cache restarts; samples beyond it take the per-sample
+    kernel) results agree to rounding."""
+    import aimsym.channel as ch
+
+    m = load("attention_L2_T2", skip=1.0)
+    rng = np.random.default_rng(41)
+    V = random_spd(rng, 2)
+    om = 0.6 * rng.standard_normal((12, 2, 2))
+    y = m.link(om + np.linalg.cholesky(V) @ rng.standard_normal((12, 2, 2)))
+    den = m.denoiser(tol=None)
+    first = den(y, om, V)
+    rule = (den.polar[0], den.polar[1])
+    n_tables = len(den._tables[rule][1])
+    assert n_tables >= 1
+    again = den(y[::-1], om[::-1], V)
+    assert len(den._tables[rule][1]) == n_tables
+    assert np.array_equal(again.g_out[::-1], first.g_out) and np.array_equal(again.dg_out[::-1], first.dg_out)
+    one = m.denoiser(tol=None)(y[3], om[3], V)
+    assert np.array_equal(one.g_out, first.g_out[3]) and np.array_equal(one.log_z_out, first.log_z_out[3])
+    monkeypatch.setattr(ch, "MAX_TABLE_BYTES", 8 * den.kernels.POLAR_TABLE_ROWS
+                        * den.kernels.polar_table_nodes(*den.polar))  # room for one table
+    capped = m.denoiser(tol=None)
+    out = capped(y, om, V)
+    assert np.allclose(out.g_out, first.g_out, rtol=0, atol=1e-12 * np.abs(first.g_out).max())
+    assert np.allclose(out.dg_out, first.dg_out, rtol=0, atol=1e-12 * np.abs(first.dg_out).max())
+    assert len(capped._tables[rule][1]) == 1 and n_tables > 1
 
 
 @settings(max_examples=60, deadline=None)
