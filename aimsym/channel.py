@@ -73,8 +73,11 @@ DEFAULT_TOL = 1e-8
 # points per SE regime against x1.5 with max_refine 3: 8-14 % fewer nodes; reach (4/3)^4 = 3.2x)
 REFINE = 4 / 3
 MAX_TENSOR_NODES = 200_000
-# memory for the node tables of one call (about 0.1 MB per table at the default rule)
+# memory for the node tables of one denoiser and rule size (about 0.1 MB per table at the
+# default rule); beyond it the cache restarts
 MAX_TABLE_BYTES = 2**28
+_NO_TABLES = np.zeros((0, 1, 1))
+_NO_KEYS = np.zeros(0, dtype=np.int64)
 
 _STATUS = {
     1: ("V", "is not symmetric positive definite"),
@@ -159,6 +162,7 @@ class Denoiser:
             polar = DEFAULT_POLAR[polar_map] if nodes is None else None
         self.model = model
         self.kernels = model.kernels
+        self._pT = (model.p, model.tokens)  # (spec properties, recomputed on every access)
         self.params = model.params_array()
         self.dim = int(self.kernels.INTEGRAL_DIM)
         self.path = {"noisy": "generic", "halfspace": "closed-form",
@@ -260,7 +264,7 @@ class Denoiser:
         quantity, e.g. h for attention models when the output softmax underflows. ``error``:
         estimate the error from rules of 3/4 the size; ``tol``: refine (rules x4/3) the samples
         whose estimated error exceeds tol, at most ``max_refine`` times (see the module doc)."""
-        p, T = self.model.p, self.model.tokens
+        p, T = self._pT
         omega = np.asarray(omega, dtype=float)
         V = np.asarray(V, dtype=float)
         if omega.shape[-2:] != (p, T):
@@ -430,7 +434,7 @@ class Denoiser:
 
     def _run(self, obs, omega, V, rules):
         n = omega.shape[0]
-        p, T = self.model.p, self.model.tokens
+        p, T = self._pT
         g = np.empty((n, p, T))
         dg = np.empty((n, p, T, p, T))
         extra = np.empty((n, 3))
@@ -456,36 +460,35 @@ class Denoiser:
         k = self.kernels
         n = omega.shape[0]
         if not (len(rr) and self.polar_map == "sinh" and k.POLAR_LINEAR_OBS):
-            return np.zeros((0, 1, 1)), np.full(n, -1, dtype=np.int64)
+            return _NO_TABLES, np.full(n, -1, dtype=np.int64)
         key = np.empty(n, dtype=np.int64)
         k.polar_table_keys(omega, V, POLAR_RADIUS, skip_gh, key)
-        plain = key != k.NO_TABLE
-        rows, NT = k.POLAR_TABLE_ROWS, k.polar_table_nodes(len(xa), len(rr))
-        room = MAX_TABLE_BYTES // (8 * rows * NT)
+        gidx = np.empty(n, dtype=np.int64)
         rule = (len(xa), len(rr), self.params.tobytes())  # (the tables depend on skip and beta too)
         with self._table_lock:
-            G, slots = self._tables.get(rule, (np.zeros((0, rows, NT)), {}))
-            if not plain.any():
-                return G, np.full(n, -1, dtype=np.int64)
-            lo = int(key[plain].min())
-            present = np.flatnonzero(np.bincount(key[plain] - lo)) + lo  # the batch's grid radii
-            new = np.array([q for q in present.tolist() if q not in slots], dtype=np.int64)
-            if len(slots) + new.size > room:  # memory cap: start the cache afresh with this batch's tables
-                G, slots, new = np.zeros((0, rows, NT)), {}, present[:room]
-            if new.size:
-                used = len(slots)
-                if used + new.size > G.shape[0]:  # grow (doubling), keeping the cached tables
-                    grown = np.empty((min(room, max(2 * G.shape[0], used + new.size)), rows, NT))
-                    grown[:used] = G[:used]
-                    G = grown
-                k.polar_tables(new, self.params, xa, wa, rr, w_r, POLAR_KAPPA, POLAR_CRAD, G[used:used + new.size])
-                slots.update({q: used + j for j, q in enumerate(new.tolist())})
-                self._tables[rule] = (G, slots)
-            lut = np.full(present[-1] - lo + 1, -1, dtype=np.int64)
-            for q in present.tolist():
-                lut[q - lo] = slots.get(q, -1)
-        gidx = np.full(n, -1, dtype=np.int64)
-        gidx[plain] = lut[key[plain] - lo]
+            G, cached, slot = self._tables.get(rule, (_NO_TABLES, _NO_KEYS, _NO_KEYS))
+            if k.polar_table_lookup(key, cached, slot, gidx) == 0:
+                return G, gidx
+            # build the missing tables (a table costs about one sample's nodes and polar_rows)
+            new = np.unique(key[gidx == -2])
+            rows, NT = k.POLAR_TABLE_ROWS, k.polar_table_nodes(len(xa), len(rr))
+            room = MAX_TABLE_BYTES // (8 * rows * NT)
+            used = len(cached)
+            if used + new.size > room:  # memory cap: start the cache afresh with this batch's tables
+                cached, slot, used = _NO_KEYS, _NO_KEYS, 0
+                new = np.unique(key[key != k.NO_TABLE])[:room]
+            if used + new.size > G.shape[0] or used == 0:  # grow (doubling), keeping the cached tables
+                grown = np.empty((min(room, max(2 * G.shape[0], used + new.size)), rows, NT))
+                grown[:used] = G[:used]
+                G = grown
+            k.polar_tables(new, self.params, xa, wa, rr, w_r, POLAR_KAPPA, POLAR_CRAD, G[used:used + new.size])
+            allk = np.concatenate([cached, new])
+            alls = np.concatenate([slot, np.arange(used, used + new.size)])
+            order = np.argsort(allk)
+            cached, slot = allk[order], alls[order]
+            self._tables[rule] = (G, cached, slot)
+            k.polar_table_lookup(key, cached, slot, gidx)
+        gidx[gidx == -2] = -1  # beyond the memory cap: the per-sample kernel
         return G, gidx
 
     @staticmethod

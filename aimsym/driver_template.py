@@ -1021,6 +1021,26 @@ def polar_table_keys(omega, V, kr, skip_gh, out):
         out[i] = _grid_index(polar_radius(omega[i], Vi, kr)) if plain else NO_TABLE
 
 
+@njit(cache=True)
+def polar_table_lookup(key, cached, slot, gidx):
+    """gidx[i] = the slot of key[i] among the sorted cached keys (slot: their slots), -1 for
+    NO_TABLE, -2 where the key is not cached; returns the number of -2 entries."""
+    missing = 0
+    nc = cached.shape[0]
+    for i in range(key.shape[0]):
+        q = key[i]
+        if q == NO_TABLE:
+            gidx[i] = -1
+            continue
+        j = np.searchsorted(cached, q)
+        if j < nc and cached[j] == q:
+            gidx[i] = slot[j]
+        else:
+            gidx[i] = -2
+            missing += 1
+    return missing
+
+
 @njit(cache=True, parallel=True, error_model="numpy")
 def polar_tables(keys, params, xa, wa, xr, wr, kappa, crad, G):
     """G[k]: node table of the mapped rule on the plain full disk of radius 2^(keys[k] / POLAR_GRID)

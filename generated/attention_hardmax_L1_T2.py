@@ -2,7 +2,7 @@
 
 model: attention_hardmax_L1_T2
 spec hash: f90cb13227cdef10
-generator: 0.1.0+4bf79c4de6
+generator: 0.1.0+046c986f39
 denoiser path: exact (hardmax, one layer, T = 2: region constraint (union of wedges), closed form)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'f90cb13227cdef10'
-GENERATOR_VERSION = '0.1.0+4bf79c4de6'
+GENERATOR_VERSION = '0.1.0+046c986f39'
 NAME = 'attention_hardmax_L1_T2'
 P = 1
 T = 2
@@ -1183,6 +1183,26 @@ def polar_table_keys(omega, V, kr, skip_gh, out):
         mu, su, phi, r_lo, off = _polar_domain(omega[i], Vi, kr)
         plain = r_lo <= 0.0 and not off and su > 0.0 and not (skip_gh and gh_plausible(omega[i], Vi))
         out[i] = _grid_index(polar_radius(omega[i], Vi, kr)) if plain else NO_TABLE
+
+
+@njit(cache=True)
+def polar_table_lookup(key, cached, slot, gidx):
+    """gidx[i] = the slot of key[i] among the sorted cached keys (slot: their slots), -1 for
+    NO_TABLE, -2 where the key is not cached; returns the number of -2 entries."""
+    missing = 0
+    nc = cached.shape[0]
+    for i in range(key.shape[0]):
+        q = key[i]
+        if q == NO_TABLE:
+            gidx[i] = -1
+            continue
+        j = np.searchsorted(cached, q)
+        if j < nc and cached[j] == q:
+            gidx[i] = slot[j]
+        else:
+            gidx[i] = -2
+            missing += 1
+    return missing
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
