@@ -744,27 +744,33 @@ def _polar_node_weights(W, J, wpsi, n):
         J[i] = wj if ok else 0.0
 
 
+@njit(cache=True)
+def _sign_pair_log_weights(u0, u1, w0, w1, o00, o01, o10, o11, p00, p01, p11):
+    """Log prior weights (up to the constant) of the sign pairs (+u, +w), (+u, -w), (-u, +w),
+    (-u, -w) at one node (inlined into the SIMD loops)."""
+    dp0 = u0 - o00
+    dp1 = u1 - o01
+    dm0 = -u0 - o00
+    dm1 = -u1 - o01
+    ep0 = w0 - o10
+    ep1 = w1 - o11
+    em0 = -w0 - o10
+    em1 = -w1 - o11
+    qup = p00 * (dp0 * dp0 + dp1 * dp1)
+    qum = p00 * (dm0 * dm0 + dm1 * dm1)
+    qwp = p11 * (ep0 * ep0 + ep1 * ep1)
+    qwm = p11 * (em0 * em0 + em1 * em1)
+    return (-0.5 * (qup + qwp) - p01 * (dp0 * ep0 + dp1 * ep1), -0.5 * (qup + qwm) - p01 * (dp0 * em0 + dp1 * em1),
+            -0.5 * (qum + qwp) - p01 * (dm0 * ep0 + dm1 * ep1), -0.5 * (qum + qwm) - p01 * (dm0 * em0 + dm1 * em1))
+
+
 @njit(cache=True, error_model="numpy")
 def _polar_log_weights(U, W, o00, o01, o10, o11, p00, p01, p11, n, L):
     """L[s, i]: log prior weight of the sign pair s = (+u, +w), (+u, -w), (-u, +w), (-u, -w) at
     node i < n (up to the constant). No reduction, one output array: the loop vectorises."""
     for i in range(n):
-        dp0 = U[0, i] - o00
-        dp1 = U[1, i] - o01
-        dm0 = -U[0, i] - o00
-        dm1 = -U[1, i] - o01
-        ep0 = W[0, i] - o10
-        ep1 = W[1, i] - o11
-        em0 = -W[0, i] - o10
-        em1 = -W[1, i] - o11
-        qup = p00 * (dp0 * dp0 + dp1 * dp1)
-        qum = p00 * (dm0 * dm0 + dm1 * dm1)
-        qwp = p11 * (ep0 * ep0 + ep1 * ep1)
-        qwm = p11 * (em0 * em0 + em1 * em1)
-        L[0, i] = -0.5 * (qup + qwp) - p01 * (dp0 * ep0 + dp1 * ep1)
-        L[1, i] = -0.5 * (qup + qwm) - p01 * (dp0 * em0 + dp1 * em1)
-        L[2, i] = -0.5 * (qum + qwp) - p01 * (dm0 * ep0 + dm1 * ep1)
-        L[3, i] = -0.5 * (qum + qwm) - p01 * (dm0 * em0 + dm1 * em1)
+        L[0, i], L[1, i], L[2, i], L[3, i] = _sign_pair_log_weights(U[0, i], U[1, i], W[0, i], W[1, i], o00, o01,
+                                                                    o10, o11, p00, p01, p11)
 
 
 @njit(cache=True, fastmath={"reassoc"})
@@ -1111,26 +1117,11 @@ def _table_log_weights(Gk, h0, h1, o00, o01, o10, o11, p00, p01, p11, n, W, L, t
         w1 = Gk[4, i] * h0 + Gk[5, i] * h1
         W[0, i] = w0
         W[1, i] = w1
-        dp0 = u0 - o00
-        dp1 = u1 - o01
-        dm0 = -u0 - o00
-        dm1 = -u1 - o01
-        ep0 = w0 - o10
-        ep1 = w1 - o11
-        em0 = -w0 - o10
-        em1 = -w1 - o11
-        qup = p00 * (dp0 * dp0 + dp1 * dp1)
-        qum = p00 * (dm0 * dm0 + dm1 * dm1)
-        qwp = p11 * (ep0 * ep0 + ep1 * ep1)
-        qwm = p11 * (em0 * em0 + em1 * em1)
-        L[0, i] = -0.5 * (qup + qwp) - p01 * (dp0 * ep0 + dp1 * ep1)
-        L[1, i] = -0.5 * (qup + qwm) - p01 * (dp0 * em0 + dp1 * em1)
-        L[2, i] = -0.5 * (qum + qwp) - p01 * (dm0 * ep0 + dm1 * ep1)
-        L[3, i] = -0.5 * (qum + qwm) - p01 * (dm0 * em0 + dm1 * em1)
-        l0 = L[0, i]
-        l1 = L[1, i]
-        l2 = L[2, i]
-        l3 = L[3, i]
+        l0, l1, l2, l3 = _sign_pair_log_weights(u0, u1, w0, w1, o00, o01, o10, o11, p00, p01, p11)
+        L[0, i] = l0
+        L[1, i] = l1
+        L[2, i] = l2
+        L[3, i] = l3
         nan += (l0 + l1) + (l2 + l3)
         a = l0 if l0 > l1 else l1
         b = l2 if l2 > l3 else l3
