@@ -212,6 +212,9 @@ class Denoiser:
                 "adapt": self.adapt, "inflate": self.inflate, "polar": self.polar,
                 "polar_map": self.polar_map if self.polar else None,
                 "polar_radius": POLAR_RADIUS if self.polar else None,
+                # the mapped rule's full-disk radius is rounded up to this grid (node tables)
+                "polar_radius_grid": (f"2^(k/{self.kernels.POLAR_GRID})"
+                                      if self.polar and self.polar_map == "sinh" else None),
                 "gh_check_tol": self.check_tol if self.polar else None, "tol": self.tol}
 
     def _polar_tables(self, sizes):
