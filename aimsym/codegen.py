@@ -379,8 +379,9 @@ def _polar_rows_kernel(d: Derivation, body: list[str], reduced: list[str]) -> li
     lines.append(f"        J[i] = {_reuse_reciprocal(reduced[-1], body)}")
     # the solved row w = M(u)^{-1} h is linear in the observation: a node table of M^{-1} (and
     # of the nodes and weights) then serves every sample of a batch (driver: polar_tables)
-    linear = all(sp.diff(e, a, b) == 0 and e.subs({s: 0 for s in red.obs}) == 0
-                 for e in red.branches[0] for a in red.obs for b in red.obs)
+    zero = {s: 0 for s in red.obs}
+    linear = all(e.subs(zero) == 0 and all(sp.diff(e, a, b) == 0 for a in red.obs for b in red.obs)
+                 for e in red.branches[0])
     lines += ["", "", f"POLAR_ROWS = {n_rows}", f"POLAR_LINEAR_OBS = {linear}"]
     return lines
 

@@ -2,7 +2,7 @@
 
 model: attention_L2_T3
 spec hash: b0844d41f655f71c
-generator: 0.1.0+a3988bd43e
+generator: 0.1.0+eb9d391216
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 SPEC_HASH = 'b0844d41f655f71c'
-GENERATOR_VERSION = '0.1.0+a3988bd43e'
+GENERATOR_VERSION = '0.1.0+eb9d391216'
 NAME = 'attention_L2_T3'
 P = 2
 T = 3
@@ -1344,19 +1344,21 @@ def _running_max(x, n):
     return m0 if m0 > m2 else m2
 
 
+@njit(cache=True)
+def _max4(a, b, c, d):
+    """max of four finite numbers as selects (inlined; vectorises in the node loops)."""
+    x = a if a > b else b
+    y = c if c > d else d
+    return x if x > y else y
+
+
 @njit(cache=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
 def _max_log_weight(L, J, tmp, n):
     """max of L[:, i] over the nodes i < n with J[i] > 0; -1e308 if none (L is finite, checked
     by _nan_sum first): the max over the four rows in a vectorised pass into tmp, then
     ``_running_max``."""
     for i in range(n):
-        l0 = L[0, i]
-        l1 = L[1, i]
-        l2 = L[2, i]
-        l3 = L[3, i]
-        a = l0 if l0 > l1 else l1
-        b = l2 if l2 > l3 else l3
-        m = a if a > b else b
+        m = _max4(L[0, i], L[1, i], L[2, i], L[3, i])
         tmp[i] = m if J[i] > 0.0 else -1e308
     return _running_max(tmp, n)
 
@@ -1534,10 +1536,16 @@ def _grid_index(R):
 
 
 @njit(cache=True)
+def _grid_value(k):
+    """The grid radius 2^(k / POLAR_GRID)."""
+    return 2.0 ** (k / POLAR_GRID)
+
+
+@njit(cache=True)
 def _grid_radius(R):
     """R rounded up to the grid 2^(k / POLAR_GRID) (at most 9 % larger: the radial rule is
     logarithmic, so this barely moves it, and samples then share node tables)."""
-    return 2.0 ** (_grid_index(R) / POLAR_GRID)
+    return _grid_value(_grid_index(R))
 
 
 @njit(cache=True)
@@ -1589,11 +1597,12 @@ def polar_tables(keys, params, xa, wa, xr, wr, kappa, crad, G):
     """G[k]: node table of the mapped rule on the plain full disk of radius 2^(keys[k] / POLAR_GRID)
     (``polar_table_keys``; rows: U (2),
     A = M(u)^{-1} at 2 + t T + j, the node weight times 1/|det M|; A and the weight are zero
-    where det M = 0). A's column j is polar_rows at the observation e_j."""
+    where det M = 0). A's column j is polar_rows at the observation e_j, masked as in the
+    per-sample kernel (``_polar_node_weights``)."""
     beta = abs(polar_beta(params))
     pa, pb, pea, peb = _disk_pieces(0.0, math.pi)
     for k in prange(keys.shape[0]):
-        U, wpsi = _mapped_nodes(2.0 ** (keys[k] / POLAR_GRID), 0.0, crad, pa, pb, pea, peb, beta, xa, wa, xr, wr, kappa)
+        U, wpsi = _mapped_nodes(_grid_value(keys[k]), 0.0, crad, pa, pb, pea, peb, beta, xa, wa, xr, wr, kappa)
         NT = U.shape[1]
         W = np.empty((T, NT))
         J = np.empty(NT)
@@ -1608,15 +1617,12 @@ def polar_tables(keys, params, xa, wa, xr, wr, kappa, crad, G):
             e[:] = 0.0
             e[j] = 1.0
             polar_rows(U, NT, e, params, W, J, E, tmp)
+            _polar_node_weights(W, J, wpsi, NT)  # column zero and J <- wpsi J (0) where det M = 0
             for t in range(T):
                 for i in range(NT):
                     Gk[2 + t * T + j, i] = W[t, i]
         for i in range(NT):  # (J does not depend on the observation)
-            ok = (J[i] >= 0.0) & (J[i] < math.inf)
-            Gk[POLAR_TABLE_ROWS - 1, i] = wpsi[i] * J[i] if ok else 0.0
-            if not ok:
-                for q in range(2, POLAR_TABLE_ROWS - 1):
-                    Gk[q, i] = 0.0
+            Gk[POLAR_TABLE_ROWS - 1, i] = J[i]
 
 
 @njit(cache=True, error_model="numpy")
@@ -1660,10 +1666,7 @@ def _table_log_weights(Gk, h0, h1, o00, o01, o10, o11, p00, p01, p11, n, W, L, t
         L[2, i] = l2
         L[3, i] = l3
         nan += (l0 + l1) + (l2 + l3)
-        a = l0 if l0 > l1 else l1
-        b = l2 if l2 > l3 else l3
-        m = a if a > b else b
-        tmp[i] = m if Gk[POLAR_TABLE_ROWS - 1, i] > 0.0 else -1e308
+        tmp[i] = _max4(l0, l1, l2, l3) if Gk[POLAR_TABLE_ROWS - 1, i] > 0.0 else -1e308
     return nan
 
 
