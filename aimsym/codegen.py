@@ -2,7 +2,8 @@
 kernels (the link, its Jacobian, the reduced-posterior branches) plus the batch denoiser
 driver, written to a real file so that ``njit(cache=True)`` caches the machine code.
 
-The module imports only ``math``, ``numpy`` and ``numba``. Its text is deterministic (a
+The module imports only ``math``, ``numpy``, ``numba`` and ``llvmlite`` (numba's LLVM binding,
+for two bitcast intrinsics). Its text is deterministic (a
 function of the spec and the generator version), which ``aimsym generate --check`` uses
 to detect stale committed modules.
 """
@@ -297,7 +298,7 @@ def _polar_kernels(spec: Spec, d: Derivation) -> list[str]:
     lines = ["@njit(cache=True)", "def polar_beta(params):"]
     if not _polar_angles(spec, d):
         lines += ["    return math.nan", "", "", "@njit(cache=True)", "def polar_branch(u, obs, params, w):",
-                  "    return math.nan", "", "", "@njit(cache=True)", "def polar_rows(U, n, obs, params, W, J, E, tmp):",
+                  "    return math.nan", "", "", "@njit(cache=True)", "def polar_rows(U, n, obs, params, W, J, E):",
                   "    return None", "", "", "POLAR_ROWS = 1", "POLAR_LINEAR_OBS = False"]
         return lines
     from .symbolic import param_symbol
@@ -365,14 +366,14 @@ def _polar_rows_kernel(d: Derivation, body: list[str], reduced: list[str]) -> li
     unpack = [f"        {d.Z[k, t].name} = U[{i}, i]" for i, (k, t) in enumerate(red.free)]
     lines = ['@njit(cache=True, error_model="numpy")  # IEEE division (1/det M = inf is handled by the caller): no',
              "# ZeroDivisionError branch, so the loops vectorise",
-             "def polar_rows(U, n, obs, params, W, J, E, tmp):",
+             "def polar_rows(U, n, obs, params, W, J, E):",
              '    """``polar_branch`` at the nodes i < n, vectorised: U (2, N) free indices, W (T, N)',
-             "    branch 0's solved row, J (N) = 1/|det M|; E (POLAR_ROWS, N) and tmp (N) are scratch.",
+             "    branch 0's solved row, J (N) = 1/|det M|; E (POLAR_ROWS, N) is scratch.",
              '    The softmax exps run in SIMD through ``_vexp`` (tests: equal to polar_branch per node)."""']
     lines += [f"    {s.name} = obs[{i}]" for i, s in enumerate(red.obs)]
     lines += _unpack_params(d)
     lines += ["    for i in range(n):"] + unpack + first
-    lines += [f"    for k in range({n_rows}):", "        _vexp(E[k], E[k], n, tmp, 0.0)"]
+    lines += [f"    for k in range({n_rows}):", "        _vexp(E[k], n, 0.0)"]
     lines += ["    for i in range(n):"] + unpack + second
     for j, (k, t) in enumerate(red.solved):
         lines.append(f"        W[{t}, i] = {reduced[j]}")
@@ -469,7 +470,9 @@ def module_source(spec: Spec) -> str:
         "import math",
         "",
         "import numpy as np",
-        "from numba import njit, prange",
+        "from llvmlite import ir as llvm_ir",
+        "from numba import njit, prange, types",
+        "from numba.extending import intrinsic",
         "",
         f"SPEC_HASH = {spec.hash()!r}",
         f"GENERATOR_VERSION = {GENERATOR_VERSION!r}",

@@ -2,7 +2,7 @@
 
 model: hardmax_L2_T2
 spec hash: 7508f35d33687fef
-generator: 0.1.0+eb9d391216
+generator: 0.1.0+d119b446b1
 denoiser path: exact (hardmax last layer after a tied rank-one first layer, T = 2: region constraint (z_2 in a union of wedges depending on z_1), 2-D integral over z_1)
 
 Spec:
@@ -27,10 +27,12 @@ Spec:
 import math
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir as llvm_ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 SPEC_HASH = '7508f35d33687fef'
-GENERATOR_VERSION = '0.1.0+eb9d391216'
+GENERATOR_VERSION = '0.1.0+d119b446b1'
 NAME = 'hardmax_L2_T2'
 P = 2
 T = 2
@@ -243,7 +245,7 @@ def polar_branch(u, obs, params, w):
 
 
 @njit(cache=True)
-def polar_rows(U, n, obs, params, W, J, E, tmp):
+def polar_rows(U, n, obs, params, W, J, E):
     return None
 
 
@@ -739,10 +741,10 @@ def denoise_one_polar(obs, omega, V, params, pc, ps, plw, rr, w_r, kr, g_out, dg
     return _finish(st[0], st[1], st[2], S1, S2, Vinv, g_out, dg_out, extra)
 
 
-# SIMD exp: exp(x) = 2^k p(r), x = k ln 2 + r, |r| <= ln(2) / 2, p the degree-13 Taylor polynomial
-# (relative error < 1e-16 on |r| <= 0.347), 2^k written into the exponent bits. Plain loops
-# over arrays, so LLVM vectorises them (libm's exp is a scalar call): about 2x faster per exp
-# here, and it lets the whole per-radius block of the polar rule run in SIMD.
+# SIMD exp: exp(x) = 2^k p(r), x = k ln 2 + r, |r| <= ln(2) / 2, p the polynomial below, 2^k
+# written into the exponent bits (``_exp``). Inlined into plain loops over arrays, which LLVM
+# vectorises (libm's exp is a scalar call): about 2x faster per exp here, and it lets the
+# whole per-radius block of the polar rule run in SIMD.
 _LOG2E = 1.4426950408889634
 _LN2_HI = 6.93147180369123816490e-01
 _LN2_LO = 1.90821492927058770002e-10
@@ -767,34 +769,44 @@ def _exp_parts(x):
     return p, k + 4503599627371519.0
 
 
-@njit(cache=True, fastmath={"contract"})
-def _vexp(x, out, n, tmp, shift):
-    """out[:n] = exp(x[:n] - shift) (argument clipped to [-708, 709]; out may be x); tmp:
-    scratch (n), distinct from both. x - shift is first written to tmp: LLVM vectorises a loop
-    only after a runtime check that its arrays do not overlap, so reading x while writing
-    out = x would run scalar (3x slower); ``_vexp_to`` skips the copy where out is not x.
-    2^k: k + 1023 + 2^52 as a double holds k + 1023 in its low mantissa bits; shifted left by
-    52 as an int64 that becomes the exponent field (no double -> int conversion, which AVX2
-    cannot vectorise)."""
-    for i in range(n):
-        tmp[i] = x[i] - shift
-    bits = tmp.view(np.int64)
-    for i in range(n):
-        out[i], tmp[i] = _exp_parts(tmp[i])
-    for i in range(n):
-        bits[i] = bits[i] << 52
-        out[i] *= tmp[i]
+@intrinsic
+def _double_bits(typingctx, x):
+    """The bits of a double as an int64 (an LLVM bitcast: free, and it vectorises)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], llvm_ir.IntType(64))
+    return types.int64(types.float64), codegen
+
+
+@intrinsic
+def _bits_double(typingctx, x):
+    """The double with the bits of an int64 (LLVM bitcast)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], llvm_ir.DoubleType())
+    return types.float64(types.int64), codegen
 
 
 @njit(cache=True, fastmath={"contract"})
-def _vexp_to(x, out, n, tmp, shift):
-    """``_vexp`` for out distinct from x: no copy pass (~12 % faster); tmp: scratch (n)."""
-    bits = tmp.view(np.int64)
+def _exp(x):
+    """exp(x), x clipped to [-708, 709] (relative error < 5e-16), inlined into loops that LLVM
+    vectorises (libm's exp is a scalar call). 2^k: k + 1023 + 2^52 as a double holds k + 1023
+    in its low mantissa bits; shifted left by 52 as an int64 that becomes the exponent field
+    (bitcasts, no double -> int conversion, which AVX2 cannot vectorise)."""
+    p, kb = _exp_parts(x)
+    return p * _bits_double(_double_bits(kb) << 52)
+
+
+@njit(cache=True, fastmath={"contract"})
+def _vexp(x, n, shift):
+    """x[:n] <- exp(x[:n] - shift), in place (one array: no runtime overlap check, SIMD)."""
     for i in range(n):
-        out[i], tmp[i] = _exp_parts(x[i] - shift)
+        x[i] = _exp(x[i] - shift)
+
+
+@njit(cache=True, fastmath={"contract"})
+def _vexp_to(x, out, n, shift):
+    """out[:n] = exp(x[:n] - shift) for out distinct from x."""
     for i in range(n):
-        bits[i] = bits[i] << 52
-        out[i] *= tmp[i]
+        out[i] = _exp(x[i] - shift)
 
 
 @njit(cache=True, fastmath={"contract"})
@@ -924,9 +936,9 @@ def _polar_pieces(omega, V, kr, crad):
 
 
 @njit(cache=True, fastmath={"contract", "reassoc"})
-def _polar_moments(wt, J, U, W, o00, o01, o10, o11, n, acc):
-    """acc += the sums of the four sign pairs at nodes i < n (weights J * wt, wt rows: the
-    sign pairs (+u, +w), (+u, -w), (-u, +w), (-u, -w)): S0, sum W^2, first moments of z - omega (index
+def _polar_moments(wt, U, W, o00, o01, o10, o11, n, acc):
+    """acc += the sums of the four sign pairs at nodes i < n (weights wt, rows: the sign pairs
+    (+u, +w), (+u, -w), (-u, +w), (-u, -w); ``_sign_pair_weights``): S0, sum W^2, first moments of z - omega (index
     k * T + t: 0, 1 = u; 2, 3 = w) and second moments (lower triangle). Reassociation lets the
     sums vectorise (order only: ~1e-16)."""
     s0 = 0.0
@@ -946,10 +958,10 @@ def _polar_moments(wt, J, U, W, o00, o01, o10, o11, n, acc):
     c32 = 0.0
     c33 = 0.0
     for i in range(n):
-        wpp = J[i] * wt[0, i]
-        wpm = J[i] * wt[1, i]
-        wmp = J[i] * wt[2, i]
-        wmm = J[i] * wt[3, i]
+        wpp = wt[0, i]
+        wpm = wt[1, i]
+        wmp = wt[2, i]
+        wmm = wt[3, i]
         dp0 = U[0, i] - o00
         dp1 = U[1, i] - o01
         dm0 = -U[0, i] - o00
@@ -996,6 +1008,92 @@ def _polar_moments(wt, J, U, W, o00, o01, o10, o11, n, acc):
     acc[11] += c22
     acc[12] += c30
     acc[13] += c31
+    acc[14] += c32
+    acc[15] += c33
+
+
+@njit(cache=True, fastmath={"contract", "reassoc"})
+def _table_moments(wt, U, W, o00, o01, o10, o11, n, acc):
+    """``_polar_moments`` on the plain full disk (node tables), with fewer operations: the sums
+    over the u-signs of u uu^T are taken about the origin and moved to omega_u at the end (the
+    disk holds omega_u within 2.5 prior sd of u, so this costs no precision), and the cross
+    moments reuse the w sums. ~40 % fewer operations per node; equal to ``_polar_moments`` to
+    rounding (tests)."""
+    s0 = 0.0
+    sw2 = 0.0
+    mu0 = 0.0
+    mu1 = 0.0
+    mw0 = 0.0
+    mw1 = 0.0
+    c22 = 0.0
+    c32 = 0.0
+    c33 = 0.0
+    r20 = 0.0
+    r21 = 0.0
+    r30 = 0.0
+    r31 = 0.0
+    a00 = 0.0
+    a10 = 0.0
+    a11 = 0.0
+    for i in range(n):
+        wpp = wt[0, i]
+        wpm = wt[1, i]
+        wmp = wt[2, i]
+        wmm = wt[3, i]
+        u0 = U[0, i]
+        u1 = U[1, i]
+        wp_ = wpp + wpm  # u-sign +, both w-signs
+        wm_ = wmp + wmm
+        s = wp_ + wm_
+        bu = wp_ - wm_  # odd in the u-sign
+        w_p = wpp + wmp  # w-sign +, both u-signs
+        w_m = wpm + wmm
+        dp = wpp - wmp  # odd in the u-sign, per w-sign
+        dm = wpm - wmm
+        ep0 = W[0, i] - o10
+        ep1 = W[1, i] - o11
+        em0 = -W[0, i] - o10
+        em1 = -W[1, i] - o11
+        s0 += s
+        sw2 += wpp * wpp + wpm * wpm + wmp * wmp + wmm * wmm
+        mu0 += bu * u0
+        mu1 += bu * u1
+        tp0 = w_p * ep0
+        tm0 = w_m * em0
+        tp1 = w_p * ep1
+        tm1 = w_m * em1
+        mw0 += tp0 + tm0
+        mw1 += tp1 + tm1
+        c22 += tp0 * ep0 + tm0 * em0
+        c32 += tp1 * ep0 + tm1 * em0
+        c33 += tp1 * ep1 + tm1 * em1
+        x0 = dp * ep0 + dm * em0
+        x1 = dp * ep1 + dm * em1
+        r20 += x0 * u0
+        r21 += x0 * u1
+        r30 += x1 * u0
+        r31 += x1 * u1
+        su0 = s * u0
+        su1 = s * u1
+        a00 += su0 * u0
+        a10 += su0 * u1
+        a11 += su1 * u1
+    # about omega: sum w (s u - o)(s u - o)^T = sum s uu^T - (sum bu u) o^T - o (sum bu u)^T + S0 oo^T,
+    # sum w (e_w)(s u - o)^T = sum (dp e_+ + dm e_-) u^T - (sum w e_w) o^T
+    acc[0] += s0
+    acc[1] += sw2
+    acc[2] += mu0 - s0 * o00
+    acc[3] += mu1 - s0 * o01
+    acc[4] += mw0
+    acc[5] += mw1
+    acc[6] += a00 - 2.0 * o00 * mu0 + s0 * o00 * o00
+    acc[7] += a10 - o00 * mu1 - o01 * mu0 + s0 * o00 * o01
+    acc[8] += a11 - 2.0 * o01 * mu1 + s0 * o01 * o01
+    acc[9] += r20 - mw0 * o00
+    acc[10] += r21 - mw0 * o01
+    acc[11] += c22
+    acc[12] += r30 - mw1 * o00
+    acc[13] += r31 - mw1 * o01
     acc[14] += c32
     acc[15] += c33
 
@@ -1132,8 +1230,7 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     W = np.empty((2, NT))
     J = np.empty(NT)
     E = np.empty((POLAR_ROWS, NT))
-    tmp = np.empty(NT)
-    polar_rows(U, NT, obs, params, W, J, E, tmp)
+    polar_rows(U, NT, obs, params, W, J, E)
     _polar_node_weights(W, J, wpsi, NT)
     L = np.empty((4, NT))
     _polar_log_weights(U, W, omega[0, 0], omega[0, 1], omega[1, 0], omega[1, 1], Vinv[0, 0], Vinv[0, 1], Vinv[1, 1],
@@ -1141,8 +1238,7 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     nan = _nan_sum(L, NT)
     if nan != nan:
         return STATUS_NOT_FINITE
-    M = _max_log_weight(L, J, tmp, NT)
-    return _mapped_sums(U, W, J, L, M, NT, omega, Vinv, logdet_V, g_out, dg_out, extra)
+    return _mapped_sums(U, W, J, L, NT, omega, Vinv, logdet_V, False, g_out, dg_out, extra)
 
 
 @njit(cache=True, error_model="numpy")
@@ -1185,8 +1281,8 @@ def _mapped_nodes(R, r_lo, c_eff, pa, pb, pea, peb, beta, xa, wa, xr, wr, kappa)
                 i += 1
     # all nodes at once (radius-major, index j * N + i): one pass per stage over ~1e3 nodes,
     # so the loops run in SIMD with little overhead
-    buf = np.empty((5, NT))
-    tau, ex, tmp, psi, wpsi = buf[0], buf[1], buf[2], buf[3], buf[4]
+    buf = np.empty((4, NT))
+    tau, ex, psi, wpsi = buf[0], buf[1], buf[2], buf[3]
     U = np.empty((2, NT))
     SC = np.empty((2, NT))  # sin, cos of psi
     rr = np.empty(nr)
@@ -1210,7 +1306,7 @@ def _mapped_nodes(R, r_lo, c_eff, pa, pb, pea, peb, beta, xa, wa, xr, wr, kappa)
         for i in range(N):
             tj[i] = Tmn[i] * tab[4, i]
             wj[i] = Tmn[i] * tab[5, i]
-    _vexp_to(tau, ex, NT, tmp, 0.0)
+    _vexp_to(tau, ex, NT, 0.0)
     for j in range(nr):
         # psi = eps sinh(tau) next to a switching line (the absolute error of (e - 1/e) / 2
         # is ~1e-16), plain Gauss-Legendre at an inner end; times the radial weight
@@ -1236,26 +1332,52 @@ def _mapped_nodes(R, r_lo, c_eff, pa, pb, pea, peb, beta, xa, wa, xr, wr, kappa)
     return U, wpsi
 
 
+# the polar kernels' log weights are log prior densities up to their constant, so <= 0: with
+# shift 0 the log-sum-exp needs no maximum pass. The weights are then exact unless they fall out
+# of the double range (below e^-708 they are clipped); a sum S0 below SHIFT0_MIN_S0 (the
+# largest weight <= ~1e-100, then its square, in sum W^2, would be <= 1e-200) redoes the sums
+# with the exact maximum as the shift
+SHIFT0_MIN_S0 = 1e-100
+
+
+@njit(cache=True, fastmath={"contract"})
+def _sign_pair_weights(L, J, n, shift):
+    """L[s, i] <- J[i] exp(L[s, i] - shift) (J = 0: weight 0), in place and in SIMD."""
+    for s in range(4):
+        x = L[s]
+        for i in range(n):
+            x[i] = J[i] * _exp(x[i] - shift)
+
+
 @njit(cache=True, error_model="numpy")
-def _mapped_sums(U, W, J, L, M, NT, omega, Vinv, logdet_V, g_out, dg_out, extra):
-    """From the log weights L (finite) of the four sign pairs at the nodes U, W (node weights J,
-    zero off the domain) and their maximum M over the nodes with J > 0 (-1e308: none):
-    log-sum-exp and the moment sums -> g_out, dg_out, log Z."""
+def _mapped_sums(U, W, J, L, NT, omega, Vinv, logdet_V, table, g_out, dg_out, extra):
+    """From the log weights L (finite; overwritten) of the four sign pairs at the nodes U, W
+    (node weights J, zero off the domain): log-sum-exp (shift 0, else the maximum over the
+    nodes with J > 0) and the moment sums (``_table_moments`` where ``table``, else
+    ``_polar_moments``) -> g_out, dg_out, log Z."""
     o00 = omega[0, 0]
     o01 = omega[0, 1]
     o10 = omega[1, 0]
     o11 = omega[1, 1]
-    wt = np.empty((4, NT))
-    tmp = np.empty(NT)
     acc = np.zeros(16)
     const = -0.5 * T * (logdet_V + 2.0 * math.log(2.0 * math.pi))
-    if M > -1e308:
-        for s in range(4):
-            _vexp_to(L[s], wt[s], NT, tmp, M)
-        _polar_moments(wt, J, U, W, o00, o01, o10, o11, NT, acc)
-    else:
-        M = -math.inf
-    return _finish_acc(M + const, acc, Vinv, g_out, dg_out, extra)
+    shift = 0.0
+    for attempt in range(2):
+        _sign_pair_weights(L, J, NT, shift)
+        if table:
+            _table_moments(L, U, W, o00, o01, o10, o11, NT, acc)
+        else:
+            _polar_moments(L, U, W, o00, o01, o10, o11, NT, acc)
+        if acc[0] >= SHIFT0_MIN_S0 or attempt == 1:
+            break
+        # the weights fell out of the double range: the log weights again, shifted by their maximum
+        _polar_log_weights(U, W, o00, o01, o10, o11, Vinv[0, 0], Vinv[0, 1], Vinv[1, 1], NT, L)
+        shift = _max_log_weight(L, J, np.empty(NT), NT)
+        if not shift > -1e308:  # no node has weight
+            shift = -math.inf
+            break
+        acc[:] = 0.0
+    return _finish_acc(shift + const, acc, Vinv, g_out, dg_out, extra)
 
 
 # node tables: the full-disk radius is rounded up to 2^(k / POLAR_GRID), so that the samples of a
@@ -1343,7 +1465,6 @@ def polar_tables(keys, params, xa, wa, xr, wr, kappa, crad, G):
         W = np.empty((T, NT))
         J = np.empty(NT)
         E = np.empty((POLAR_ROWS, NT))
-        tmp = np.empty(NT)
         e = np.zeros(T)
         Gk = G[k]
         for i in range(NT):
@@ -1352,7 +1473,7 @@ def polar_tables(keys, params, xa, wa, xr, wr, kappa, crad, G):
         for j in range(T):
             e[:] = 0.0
             e[j] = 1.0
-            polar_rows(U, NT, e, params, W, J, E, tmp)
+            polar_rows(U, NT, e, params, W, J, E)
             _polar_node_weights(W, J, wpsi, NT)  # column zero and J <- wpsi J (0) where det M = 0
             for t in range(T):
                 for i in range(NT):
@@ -1374,20 +1495,17 @@ def denoise_one_polar_table(obs, omega, V, Gk, g_out, dg_out, extra):
     NT = Gk.shape[1]
     W = np.empty((2, NT))
     L = np.empty((4, NT))
-    tmp = np.empty(NT)
     nan = _table_log_weights(Gk, obs[0], obs[1], omega[0, 0], omega[0, 1], omega[1, 0], omega[1, 1], Vinv[0, 0],
-                             Vinv[0, 1], Vinv[1, 1], NT, W, L, tmp)
+                             Vinv[0, 1], Vinv[1, 1], NT, W, L)
     if nan != nan:
         return STATUS_NOT_FINITE
-    M = _running_max(tmp, NT)
-    return _mapped_sums(Gk[0:2], W, Gk[POLAR_TABLE_ROWS - 1], L, M, NT, omega, Vinv, logdet_V, g_out, dg_out, extra)
+    return _mapped_sums(Gk[0:2], W, Gk[POLAR_TABLE_ROWS - 1], L, NT, omega, Vinv, logdet_V, True, g_out, dg_out, extra)
 
 
-@njit(cache=True, fastmath={"reassoc"})
-def _table_log_weights(Gk, h0, h1, o00, o01, o10, o11, p00, p01, p11, n, W, L, tmp):
-    """W = A h (T = 2), the log weights of ``_polar_log_weights`` and their maximum per node
-    (tmp; -1e308 where the node weight is 0) at the table's nodes i < n, in one pass (four
-    arrays: the loop vectorises). Returns the sum of L: NaN iff an entry is NaN."""
+@njit(cache=True, fastmath={"contract", "reassoc"})
+def _table_log_weights(Gk, h0, h1, o00, o01, o10, o11, p00, p01, p11, n, W, L):
+    """W = A h (T = 2) and the log weights of ``_polar_log_weights`` at the table's nodes i < n,
+    in one pass. Returns the sum of L: NaN iff an entry is NaN."""
     nan = 0.0
     for i in range(n):
         u0 = Gk[0, i]
@@ -1402,7 +1520,6 @@ def _table_log_weights(Gk, h0, h1, o00, o01, o10, o11, p00, p01, p11, n, W, L, t
         L[2, i] = l2
         L[3, i] = l3
         nan += (l0 + l1) + (l2 + l3)
-        tmp[i] = _max4(l0, l1, l2, l3) if Gk[POLAR_TABLE_ROWS - 1, i] > 0.0 else -1e308
     return nan
 
 
@@ -1505,7 +1622,7 @@ def _gh_branch(X, lw_rule, n, m0, m1, l00, l10, l11, sg, obs, params, o00, o01, 
     maximum log weight; -1e308 if no node has weight, nan if a log weight is not finite)."""
     logdet_L = math.log(l00) + math.log(l11)
     _gh_nodes(m0, m1, l00, l10, l11, X, lw_rule, logdet_L, n, U, cst)
-    polar_rows(U, n, obs, params, W, J, E, tmp)
+    polar_rows(U, n, obs, params, W, J, E)
     _polar_node_weights(W, J, ones, n)
     _gh_log_weights(U, W, sg, o00, o01, o10, o11, p00, p01, p11, cst, J, n, L, tmp)
     s = 0.0
@@ -1515,7 +1632,7 @@ def _gh_branch(X, lw_rule, n, m0, m1, l00, l10, l11, sg, obs, params, o00, o01, 
         return math.nan
     M = _running_max(tmp, n)
     if M > -1e308:
-        _vexp_to(L, wt, n, tmp, M)
+        _vexp_to(L, wt, n, M)
         _gh_moments(wt, J, U, W, sg, o00, o01, o10, o11, n, acc)
     else:
         acc[:] = 0.0

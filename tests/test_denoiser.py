@@ -463,8 +463,8 @@ def test_polar_rows_equals_polar_branch_per_node(seed, c, scale):
     U[1, 5:10] = U[0, 5:10] + rng.standard_normal(5) * 1e-9
     obs = rng.standard_normal(2) * 2.0
     params = np.array([c])
-    W, J, E, tmp = np.empty((2, 40)), np.empty(40), np.empty((k.POLAR_ROWS, 40)), np.empty(40)
-    k.polar_rows(U, 40, obs, params, W, J, E, tmp)
+    W, J, E = np.empty((2, 40)), np.empty(40), np.empty((k.POLAR_ROWS, 40))
+    k.polar_rows(U, 40, obs, params, W, J, E)
     w = np.empty(2)
     for i in range(40):
         Ji = k.polar_branch(np.ascontiguousarray(U[:, i]), obs, params, w)
@@ -525,23 +525,23 @@ def test_gauss_hermite_denoiser_on_a_polar_model_equals_the_scalar_kernel():
 
 
 def test_simd_exp_and_sincos_match_libm():
-    """_vexp: relative error < 5e-16 on [-708, 709] (including the ends and integers k ln 2),
+    """_vexp_to, _vexp: relative error < 5e-16 on [-708, 709] (including the ends and integers k ln 2),
     clipped outside, also in place with a shift; _sincos: < 2e-16 absolute on [-pi/4, pi/4]."""
     k = load("attention_L2_T2", skip=1.0).denoiser().kernels
     rng = np.random.default_rng(3)
     x = np.concatenate([rng.uniform(-708, 709, 20000), rng.uniform(-1, 1, 5000), np.arange(-1021, 1023) * math.log(2),
                         [-708.0, 709.0, 0.0, -0.0, 1e-300, -1e-18]])
     x = x[(x >= -708) & (x <= 709)]
-    out, tmp = np.empty_like(x), np.empty_like(x)
-    k._vexp(x, out, len(x), tmp, 0.0)
+    out = np.empty_like(x)
+    k._vexp_to(x, out, len(x), 0.0)
     assert np.max(np.abs(out / np.exp(x) - 1)) < 5e-16
     big = np.array([-1e4, 1e4, -800.0])
     o2 = np.empty(3)
-    k._vexp(big, o2, 3, np.empty(3), 0.0)
+    k._vexp_to(big, o2, 3, 0.0)
     assert np.allclose(o2, np.exp([-708.0, 709.0, -708.0]), rtol=1e-15)
     y = x[np.abs(x) < 300] + 0.0  # in place, with a shift
     ref = np.exp(y - 7.25)
-    k._vexp(y, y, len(y), np.empty_like(y), 7.25)
+    k._vexp(y, len(y), 7.25)
     assert np.max(np.abs(y / ref - 1)) < 5e-16
     t = np.linspace(-math.pi / 4, math.pi / 4, 4001)
     s, cs = np.empty_like(t), np.empty_like(t)
@@ -615,6 +615,34 @@ def test_extreme_outputs_are_finite():
     assert 1e-306 < y[0, 1] < 1e-250 and y[0, 0] == 1.0
     out = den(y, np.zeros((2, 2)), np.eye(2))
     assert np.all(np.isfinite(out.g_out)) and np.all(np.isfinite(out.dg_out)) and np.isfinite(out.log_z_out)
+
+
+def test_weights_below_the_double_range_take_the_exact_shift():
+    """The mapped polar kernels sum their weights with log-sum-exp shift 0 (the log prior is
+    <= 0) and redo the sums shifted by the exact maximum when S0 < 1e-100. 30 sd from omega_w
+    (log Z ~ -800: every weight below e^-708 at shift 0) both kernels, node table (omega_u
+    near the origin) and per sample (omega_u off it: a cut domain), take that second pass and
+    agree with the Legendre rule, which streams with a running maximum. (A narrow prior of u
+    keeps the posterior inside the disk, so both rules converge to the same integral.)"""
+    m = load("attention_L2_T2", skip=1.0)
+    rng = np.random.default_rng(23)
+    Z, y = m.sample(6, rng)
+    V = np.diag([1e-3, 1.0])
+    om = np.empty((6, 2, 2))
+    om[:, 1] = Z[:, 1] + rng.choice([-30.0, 30.0], size=(6, 2))
+    om[:3, 0] = 0.01 * rng.standard_normal((3, 2))  # plain disk: node tables
+    om[3:, 0] = 0.13  # |omega_u| > 2.5 sd: the per-sample kernel
+    den = m.denoiser(polar=(12, 32), tol=None, check_tol=0.0)
+    a = den(y, om, V)
+    r = den._rules(0)[2]
+    _, gidx = den._node_tables(om, V[None], r[5], r[6], r[3], r[4], False)
+    assert np.all(gidx[:3] >= 0) and np.all(gidx[3:] == -1) and np.all(a.polar)
+    assert np.all(a.log_z_out < -700)
+    b = m.denoiser(polar=(60, 160), polar_map="legendre", tol=None, check_tol=0.0)(y, om, V)
+    assert np.allclose(a.log_z_out, b.log_z_out, rtol=0, atol=1e-10)
+    for x, ref in ((a.g_out, b.g_out), (a.dg_out, b.dg_out)):
+        scale = np.maximum(1.0, np.abs(ref).reshape(6, -1).max(axis=1))
+        assert np.all(np.abs(x - ref).reshape(6, -1).max(axis=1) <= 1e-9 * scale)
 
 
 def test_large_omega_and_near_singular_V():
