@@ -778,8 +778,8 @@ def _table_moments(wt, U, W, o00, o01, o10, o11, n, acc):
         dp = wpp - wmp  # odd in the u-sign, per w-sign
         dm = wpm - wmm
         ep0 = W[0, i] - o10
-        ep1 = W[1, i] - o11
         em0 = -W[0, i] - o10
+        ep1 = W[1, i] - o11
         em1 = -W[1, i] - o11
         s0 += s
         sw2 += wpp * wpp + wpm * wpm + wmp * wmp + wmm * wmm

@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_heads2
 spec hash: 4d0ec50932b2b92b
-generator: 0.1.0+d119b446b1
+generator: 0.1.0+f6cfc9d74b
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '4d0ec50932b2b92b'
-GENERATOR_VERSION = '0.1.0+d119b446b1'
+GENERATOR_VERSION = '0.1.0+f6cfc9d74b'
 NAME = 'attention_L2_T2_heads2'
 P = 3
 T = 2
@@ -1150,8 +1150,8 @@ def _table_moments(wt, U, W, o00, o01, o10, o11, n, acc):
         dp = wpp - wmp  # odd in the u-sign, per w-sign
         dm = wpm - wmm
         ep0 = W[0, i] - o10
-        ep1 = W[1, i] - o11
         em0 = -W[0, i] - o10
+        ep1 = W[1, i] - o11
         em1 = -W[1, i] - o11
         s0 += s
         sw2 += wpp * wpp + wpm * wpm + wmp * wmp + wmm * wmm

@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: ca1478c005423335
-generator: 0.1.0+d119b446b1
+generator: 0.1.0+f6cfc9d74b
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -35,7 +35,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'ca1478c005423335'
-GENERATOR_VERSION = '0.1.0+d119b446b1'
+GENERATOR_VERSION = '0.1.0+f6cfc9d74b'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2
@@ -3577,8 +3577,8 @@ def _table_moments(wt, U, W, o00, o01, o10, o11, n, acc):
         dp = wpp - wmp  # odd in the u-sign, per w-sign
         dm = wpm - wmm
         ep0 = W[0, i] - o10
-        ep1 = W[1, i] - o11
         em0 = -W[0, i] - o10
+        ep1 = W[1, i] - o11
         em1 = -W[1, i] - o11
         s0 += s
         sw2 += wpp * wpp + wpm * wpm + wmp * wmp + wmm * wmm

@@ -2,7 +2,7 @@
 
 model: glm_sign
 spec hash: c64eee4aaf29a557
-generator: 0.1.0+d119b446b1
+generator: 0.1.0+f6cfc9d74b
 denoiser path: exact (sign of a single index (z_0_0): half-space constraint, closed form)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'c64eee4aaf29a557'
-GENERATOR_VERSION = '0.1.0+d119b446b1'
+GENERATOR_VERSION = '0.1.0+f6cfc9d74b'
 NAME = 'glm_sign'
 P = 1
 T = 1
@@ -896,8 +896,8 @@ def _table_moments(wt, U, W, o00, o01, o10, o11, n, acc):
         dp = wpp - wmp  # odd in the u-sign, per w-sign
         dm = wpm - wmm
         ep0 = W[0, i] - o10
-        ep1 = W[1, i] - o11
         em0 = -W[0, i] - o10
+        ep1 = W[1, i] - o11
         em1 = -W[1, i] - o11
         s0 += s
         sw2 += wpp * wpp + wpm * wpm + wmp * wmp + wmm * wmm

@@ -2,7 +2,7 @@
 
 model: mim_product
 spec hash: 256c784af7e77580
-generator: 0.1.0+d119b446b1
+generator: 0.1.0+f6cfc9d74b
 denoiser path: exact (solved y = g(Z) for z_1_0 (1 branch))
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '256c784af7e77580'
-GENERATOR_VERSION = '0.1.0+d119b446b1'
+GENERATOR_VERSION = '0.1.0+f6cfc9d74b'
 NAME = 'mim_product'
 P = 2
 T = 1
@@ -912,8 +912,8 @@ def _table_moments(wt, U, W, o00, o01, o10, o11, n, acc):
         dp = wpp - wmp  # odd in the u-sign, per w-sign
         dm = wpm - wmm
         ep0 = W[0, i] - o10
-        ep1 = W[1, i] - o11
         em0 = -W[0, i] - o10
+        ep1 = W[1, i] - o11
         em1 = -W[1, i] - o11
         s0 += s
         sw2 += wpp * wpp + wpm * wpm + wmp * wmp + wmm * wmm
