@@ -2,7 +2,7 @@
 
 model: attention_L1_T2
 spec hash: c3efac14bf93124d
-generator: 0.1.0+f6cfc9d74b
+generator: 0.1.0+6bbc18a48a
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'c3efac14bf93124d'
-GENERATOR_VERSION = '0.1.0+f6cfc9d74b'
+GENERATOR_VERSION = '0.1.0+6bbc18a48a'
 NAME = 'attention_L1_T2'
 P = 1
 T = 2
@@ -932,11 +932,11 @@ def _polar_moments(wt, U, W, o00, o01, o10, o11, n, acc):
 
 @njit(cache=True, fastmath={"contract", "reassoc"})
 def _table_moments(wt, U, W, o00, o01, o10, o11, n, acc):
-    """``_polar_moments`` on the plain full disk (node tables), with fewer operations: the sums
-    over the u-signs of u uu^T are taken about the origin and moved to omega_u at the end (the
-    disk holds omega_u within 2.5 prior sd of u, so this costs no precision), and the cross
-    moments reuse the w sums. ~40 % fewer operations per node; equal to ``_polar_moments`` to
-    rounding (tests)."""
+    """``_polar_moments`` on the plain full disk (node tables), with fewer operations: the
+    u-moments (sums of u and u u^T over both u-signs) are taken about the origin and moved to
+    omega_u at the end (the disk holds omega_u within 2.5 prior sd of u, so this costs no
+    precision), and the cross moments reuse the w sums. ~40 % fewer operations per node; the
+    table path equals the per-sample kernel (``_polar_moments``) to rounding (tests)."""
     s0 = 0.0
     sw2 = 0.0
     mu0 = 0.0

@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: ca1478c005423335
-generator: 0.1.0+f6cfc9d74b
+generator: 0.1.0+6bbc18a48a
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -35,7 +35,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'ca1478c005423335'
-GENERATOR_VERSION = '0.1.0+f6cfc9d74b'
+GENERATOR_VERSION = '0.1.0+6bbc18a48a'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2
@@ -3540,11 +3540,11 @@ def _polar_moments(wt, U, W, o00, o01, o10, o11, n, acc):
 
 @njit(cache=True, fastmath={"contract", "reassoc"})
 def _table_moments(wt, U, W, o00, o01, o10, o11, n, acc):
-    """``_polar_moments`` on the plain full disk (node tables), with fewer operations: the sums
-    over the u-signs of u uu^T are taken about the origin and moved to omega_u at the end (the
-    disk holds omega_u within 2.5 prior sd of u, so this costs no precision), and the cross
-    moments reuse the w sums. ~40 % fewer operations per node; equal to ``_polar_moments`` to
-    rounding (tests)."""
+    """``_polar_moments`` on the plain full disk (node tables), with fewer operations: the
+    u-moments (sums of u and u u^T over both u-signs) are taken about the origin and moved to
+    omega_u at the end (the disk holds omega_u within 2.5 prior sd of u, so this costs no
+    precision), and the cross moments reuse the w sums. ~40 % fewer operations per node; the
+    table path equals the per-sample kernel (``_polar_moments``) to rounding (tests)."""
     s0 = 0.0
     sw2 = 0.0
     mu0 = 0.0

@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+f6cfc9d74b
+generator: 0.1.0+6bbc18a48a
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+f6cfc9d74b'
+GENERATOR_VERSION = '0.1.0+6bbc18a48a'
 NAME = 'gaussian_channel'
 P = 1
 T = 1
@@ -866,11 +866,11 @@ def _polar_moments(wt, U, W, o00, o01, o10, o11, n, acc):
 
 @njit(cache=True, fastmath={"contract", "reassoc"})
 def _table_moments(wt, U, W, o00, o01, o10, o11, n, acc):
-    """``_polar_moments`` on the plain full disk (node tables), with fewer operations: the sums
-    over the u-signs of u uu^T are taken about the origin and moved to omega_u at the end (the
-    disk holds omega_u within 2.5 prior sd of u, so this costs no precision), and the cross
-    moments reuse the w sums. ~40 % fewer operations per node; equal to ``_polar_moments`` to
-    rounding (tests)."""
+    """``_polar_moments`` on the plain full disk (node tables), with fewer operations: the
+    u-moments (sums of u and u u^T over both u-signs) are taken about the origin and moved to
+    omega_u at the end (the disk holds omega_u within 2.5 prior sd of u, so this costs no
+    precision), and the cross moments reuse the w sums. ~40 % fewer operations per node; the
+    table path equals the per-sample kernel (``_polar_moments``) to rounding (tests)."""
     s0 = 0.0
     sw2 = 0.0
     mu0 = 0.0
