@@ -147,8 +147,8 @@ def main(argv=None):
             row.append(f"{1e6 * t / len(y):8.0f} us, err {err(out, refs[k]):7.0e}")
         print(f"  {label:34s} " + " ".join(f"{r:>24s}" for r in row), flush=True)
     print(f"  ({_load()})")
-    # per evaluation without the per-call Python overhead (~0.7 ms per call of the default
-    # denoiser, ~20 us per point in the 32-point rows above): a 1024-point batch on one thread;
+    # per evaluation without the per-call Python overhead (~0.2-0.3 ms per call of the default
+    # denoiser, ~10 us per point in the 32-point rows above): a 1024-point batch on one thread;
     # cold = a fresh denoiser (node tables built in the call), warm = the tables cached
     yk, omk, Vk = _points(m, rng, SE_PATH[:1], 1024)
     per_eval = {}

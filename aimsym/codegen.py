@@ -3,9 +3,8 @@ kernels (the link, its Jacobian, the reduced-posterior branches) plus the batch 
 driver, written to a real file so that ``njit(cache=True)`` caches the machine code.
 
 The module imports only ``math``, ``numpy``, ``numba`` and ``llvmlite`` (numba's LLVM binding,
-for two bitcast intrinsics). Its text is deterministic (a
-function of the spec and the generator version), which ``aimsym generate --check`` uses
-to detect stale committed modules.
+for two bitcast intrinsics). Its text is deterministic (a function of the spec and the
+generator version), which ``aimsym generate --check`` uses to detect stale committed modules.
 """
 
 from __future__ import annotations

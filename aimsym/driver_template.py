@@ -945,7 +945,8 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     starts from the scale of its inner side, crad -> max(crad, (|omega_u| - 2 sd)^2).
 
     All nodes are processed at once, stage by stage, in loops that LLVM vectorises (``_vexp``,
-    ``_sincos``, the generated ``polar_rows``); the log-sum-exp shift is the exact maximum.
+    ``_sincos``, the generated ``polar_rows``); the log-sum-exp shift is 0, or the exact maximum
+    where the weights leave the double range (``_mapped_sums``).
     ``denoise_one_polar_table`` is the same rule from a node table shared by a batch."""
     Vinv = np.empty((2, 2))
     logdet_V = _precision(V, Vinv)

@@ -2,7 +2,7 @@
 
 model: attention_L1_T2
 spec hash: c3efac14bf93124d
-generator: 0.1.0+6bbc18a48a
+generator: 0.1.0+865966db5a
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'c3efac14bf93124d'
-GENERATOR_VERSION = '0.1.0+6bbc18a48a'
+GENERATOR_VERSION = '0.1.0+865966db5a'
 NAME = 'attention_L1_T2'
 P = 1
 T = 2
@@ -1136,7 +1136,8 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     starts from the scale of its inner side, crad -> max(crad, (|omega_u| - 2 sd)^2).
 
     All nodes are processed at once, stage by stage, in loops that LLVM vectorises (``_vexp``,
-    ``_sincos``, the generated ``polar_rows``); the log-sum-exp shift is the exact maximum.
+    ``_sincos``, the generated ``polar_rows``); the log-sum-exp shift is 0, or the exact maximum
+    where the weights leave the double range (``_mapped_sums``).
     ``denoise_one_polar_table`` is the same rule from a node table shared by a batch."""
     Vinv = np.empty((2, 2))
     logdet_V = _precision(V, Vinv)

@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_untied
 spec hash: d8a6e2bfe6d0f663
-generator: 0.1.0+6bbc18a48a
+generator: 0.1.0+865966db5a
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: last layer untied (needs tied query/key))
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'd8a6e2bfe6d0f663'
-GENERATOR_VERSION = '0.1.0+6bbc18a48a'
+GENERATOR_VERSION = '0.1.0+865966db5a'
 NAME = 'attention_L2_T2_untied'
 P = 4
 T = 2
@@ -1246,7 +1246,8 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     starts from the scale of its inner side, crad -> max(crad, (|omega_u| - 2 sd)^2).
 
     All nodes are processed at once, stage by stage, in loops that LLVM vectorises (``_vexp``,
-    ``_sincos``, the generated ``polar_rows``); the log-sum-exp shift is the exact maximum.
+    ``_sincos``, the generated ``polar_rows``); the log-sum-exp shift is 0, or the exact maximum
+    where the weights leave the double range (``_mapped_sums``).
     ``denoise_one_polar_table`` is the same rule from a node table shared by a batch."""
     Vinv = np.empty((2, 2))
     logdet_V = _precision(V, Vinv)

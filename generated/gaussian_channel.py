@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+6bbc18a48a
+generator: 0.1.0+865966db5a
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+6bbc18a48a'
+GENERATOR_VERSION = '0.1.0+865966db5a'
 NAME = 'gaussian_channel'
 P = 1
 T = 1
@@ -1070,7 +1070,8 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     starts from the scale of its inner side, crad -> max(crad, (|omega_u| - 2 sd)^2).
 
     All nodes are processed at once, stage by stage, in loops that LLVM vectorises (``_vexp``,
-    ``_sincos``, the generated ``polar_rows``); the log-sum-exp shift is the exact maximum.
+    ``_sincos``, the generated ``polar_rows``); the log-sum-exp shift is 0, or the exact maximum
+    where the weights leave the double range (``_mapped_sums``).
     ``denoise_one_polar_table`` is the same rule from a node table shared by a batch."""
     Vinv = np.empty((2, 2))
     logdet_V = _precision(V, Vinv)

@@ -2,7 +2,7 @@
 
 model: hardmax_L2_T2
 spec hash: 7508f35d33687fef
-generator: 0.1.0+6bbc18a48a
+generator: 0.1.0+865966db5a
 denoiser path: exact (hardmax last layer after a tied rank-one first layer, T = 2: region constraint (z_2 in a union of wedges depending on z_1), 2-D integral over z_1)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '7508f35d33687fef'
-GENERATOR_VERSION = '0.1.0+6bbc18a48a'
+GENERATOR_VERSION = '0.1.0+865966db5a'
 NAME = 'hardmax_L2_T2'
 P = 2
 T = 2
@@ -1218,7 +1218,8 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     starts from the scale of its inner side, crad -> max(crad, (|omega_u| - 2 sd)^2).
 
     All nodes are processed at once, stage by stage, in loops that LLVM vectorises (``_vexp``,
-    ``_sincos``, the generated ``polar_rows``); the log-sum-exp shift is the exact maximum.
+    ``_sincos``, the generated ``polar_rows``); the log-sum-exp shift is 0, or the exact maximum
+    where the weights leave the double range (``_mapped_sums``).
     ``denoise_one_polar_table`` is the same rule from a node table shared by a batch."""
     Vinv = np.empty((2, 2))
     logdet_V = _precision(V, Vinv)
