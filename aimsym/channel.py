@@ -17,8 +17,11 @@ Accuracy. Two rules for the integral over the free entries u:
   passes use a rule with half as many points per dimension). Defaults: ``DEFAULT_NODES`` and
   ``DEFAULT_ADAPT`` by dimension.
 * for two-layer T = 2 models (tied rank-one first layer) a *polar sector rule* on the disk
-  |u| <= |omega_u| + kr sqrt(V_uu) (or an annular sector around omega_u when that excludes the
-  origin), split along the lines where the first layer's attention switches. Default
+  |u| <= |omega_u| + kr sqrt(V_uu), kr = POLAR_RADIUS (or an annular sector around omega_u when
+  that excludes the origin), split along the lines where the first layer's attention switches.
+  The domain is sized on the posterior of u: where its edge carries weight (the likelihood
+  pulls the posterior off the prior), it grows and is then fitted to the posterior
+  (``Denoiser._sized_run``), and the edge's weight share is part of the error estimate. Default
   ``polar_map="sinh"``: ``polar = (angle nodes per half sector, radial nodes)``, logarithmic in
   radius, sinh-graded in angle from each switching line, u and -u per kernel call (see
   ``denoise_one_polar_mapped`` in the driver and docs/denoiser.md); ``polar_map="legendre"``: the
@@ -60,8 +63,20 @@ DEFAULT_POLAR = {"sinh": (10, 28), "legendre": (18, 48)}
 # mapped rule: angular layer scale eps = POLAR_KAPPA / (beta r^2), radial map r^2 = POLAR_CRAD (e^s - 1)
 POLAR_KAPPA = 2.0
 POLAR_CRAD = 1.0
-# radius of the polar disk in prior standard deviations of u (the mass outside is < e^{-36})
+# radius of the polar disk in prior standard deviations of u (the prior mass outside is < e^{-36})
 POLAR_RADIUS = 8.5
+# the domain is sized on the prior of u, but the likelihood can pull the posterior far from it
+# (omega_w many sd from every solved row): where the domain's edge carries more than EDGE_TOL
+# of the weight (typical samples: < 1e-14), the domain grows by DOMAIN_GROWTH, at most
+# MAX_DOMAIN_GROWTH times in a row, and is then fitted to the posterior of u (DOMAIN_FITS times)
+EDGE_TOL = 1e-12
+DOMAIN_GROWTH = 1.5
+MAX_DOMAIN_GROWTH = 8
+DOMAIN_FITS = 2
+# a sample above tol whose posterior mean of u lies more than POSTERIOR_OFF prior sd from
+# omega_u is also retried on the domain fitted to its posterior (the prior's domain grades its
+# nodes towards the prior's bump)
+POSTERIOR_OFF = 3.0
 # Gauss-Hermite size tried first on polar models where the prior of u is narrow, and the
 # tolerance of its check against 3/4 the size
 POLAR_MODEL_GH_NODES = 20
@@ -105,6 +120,11 @@ def _check_tol(tol):
     if isinstance(tol, bool) or not (isinstance(tol, float | int) and 0 < tol < 1):
         raise ChannelError("tol", f"must be a number in (0, 1) or None, got {tol!r}")
     return float(tol)
+
+
+def _rows(V, idx):
+    """V for the samples idx (V shared by the batch: unchanged)."""
+    return np.ascontiguousarray(V if V.shape[0] == 1 else V[idx])
 
 
 def _difference(g, dg, g2, dg2, lz, lz2) -> np.ndarray:
@@ -297,10 +317,12 @@ class Denoiser:
         else:
             V_f = np.ascontiguousarray(np.broadcast_to(V, (*batch, p, p)).reshape(-1, p, p))
         V_f = 0.5 * (V_f + np.swapaxes(V_f, 1, 2))
-        g, dg, extra = self._run(obs_f, om_f, V_f, self._rules(0))
+        g, dg, extra, dom = self._sized_run(obs_f, om_f, V_f, self._rules(0))
         err = None
         if error or tol is not None:
-            err = self._estimate(obs_f, om_f, V_f, g, dg, extra, 0)
+            err = self._estimate(obs_f, om_f, V_f, g, dg, extra, 0, dom)
+            if tol is not None:
+                self._refit_failing(obs_f, om_f, V_f, g, dg, extra, dom, err, tol)
             level = 0
             while tol is not None and level < max_refine:
                 bad = np.flatnonzero(~(err <= tol))
@@ -310,13 +332,12 @@ class Denoiser:
                 rules = self._rules(level)
                 if rules is None:  # the rule cannot grow further (tensor size cap)
                     break
-                Vb = np.ascontiguousarray(V_f if V_f.shape[0] == 1 else V_f[bad])
-                gb, dgb, eb = self._run(obs_f[bad], om_f[bad], Vb, rules)
+                gb, dgb, eb = self._run(obs_f[bad], om_f[bad], _rows(V_f, bad), rules, dom[bad])
                 # new estimate: the larger rule against the previous one (or its own check)
                 eb_err = _difference(gb, dgb, g[bad], dg[bad], eb[:, 0], extra[bad, 0])
                 gh = np.isfinite(eb[:, 2])
                 eb_err[gh] = eb[gh, 2]
-                err[bad] = eb_err
+                err[bad] = np.maximum(eb_err, eb[:, 3])
                 g[bad], dg[bad], extra[bad] = gb, dgb, eb
             if tol is not None and np.any(~(err <= tol)):
                 warnings.warn(f"denoiser: {int(np.sum(~(err <= tol)))} of {len(err)} samples did not reach tol={tol:g} "
@@ -409,16 +430,112 @@ class Denoiser:
         return DenoiserOutput(g_out=g.reshape(*batch, 1, 2), dg_out=dg.reshape(*batch, 1, 2, 1, 2),
                               log_z_out=log_z.reshape(batch), ess=np.full(batch, np.inf), path=self.path)
 
-    def _estimate(self, obs, omega, V, g, dg, extra, level):
+    def _estimate(self, obs, omega, V, g, dg, extra, level, dom):
         """Error estimate per sample: the Gauss-Hermite check where it was accepted, else the
-        difference to rules of 3/4 the size."""
+        difference to rules of 3/4 the size on the same domain; at least the weight share on
+        the polar domain's edge (a bound on what the domain leaves out, see EDGE_TOL)."""
         err = extra[:, 2].copy()
         rest = np.flatnonzero(~np.isfinite(err))
         if rest.size:
-            Vr = np.ascontiguousarray(V if V.shape[0] == 1 else V[rest])
-            g2, dg2, e2 = self._run(obs[rest], omega[rest], Vr, self._rules(level, small=True))
+            g2, dg2, e2 = self._run(obs[rest], omega[rest], _rows(V, rest), self._rules(level, small=True), dom[rest])
             err[rest] = _difference(g[rest], dg[rest], g2, dg2, extra[rest, 0], e2[:, 0])
-        return err
+        return np.maximum(err, extra[:, 3])
+
+    def _sized_run(self, obs, omega, V, rules):
+        """``_run`` with the polar domain sized on the posterior of u. First on the prior of u
+        (centre omega_u, POLAR_RADIUS sd); where the posterior reaches the domain's edge (edge
+        weight share > EDGE_TOL) the domain grows (``_grow``) until it holds the posterior, and is
+        then fitted to it: centre its mean, scale its largest sd (``_posterior_domain``; a far
+        posterior is narrow, so the grown domain resolves it poorly), grown again if needed;
+        DOMAIN_FITS times. Returns the results and each sample's domain (for the check and the
+        refinements)."""
+        dom = self._prior_domain(omega, V)
+        g, dg, extra = self._run(obs, omega, V, rules, dom)
+        moved = self._grow(obs, omega, V, rules, dom, g, dg, extra, np.arange(omega.shape[0]))
+        for _ in range(DOMAIN_FITS if moved.size else 0):
+            g[moved], dg[moved], extra[moved], dom[moved] = self._fitted_run(obs[moved], omega[moved], _rows(V, moved),
+                                                                             rules, g[moved], dg[moved])
+        return g, dg, extra, dom
+
+    def _fitted_run(self, obs, omega, V, rules, g, dg):
+        """``_run`` on the domain fitted to the posterior of u of a previous result g, dg
+        (``_posterior_domain``), grown where its edge carries weight."""
+        dom = self._posterior_domain(omega, V, g, dg)
+        g, dg, extra = self._run(obs, omega, V, rules, dom)
+        self._grow(obs, omega, V, rules, dom, g, dg, extra, np.arange(omega.shape[0]))
+        return g, dg, extra, dom
+
+    def _refit_failing(self, obs, omega, V, g, dg, extra, dom, err, tol):
+        """Samples of the polar rule above tol, on the prior's domain, whose posterior mean of u
+        lies more than POSTERIOR_OFF prior sd from omega_u: rerun on the domain fitted to the
+        posterior (DOMAIN_FITS times) and keep that result where its estimated error is smaller.
+        Updates the arrays in place."""
+        bad = np.flatnonzero(~(err <= tol) & (extra[:, 1] < 0))
+        if bad.size == 0:
+            return
+        Vb = _rows(V, bad)
+        prior = self._prior_domain(omega[bad], Vb)
+        fit = self._posterior_domain(omega[bad], Vb, g[bad], dg[bad])
+        off = np.hypot(*(fit[:, :2] - prior[:, :2]).T) > POSTERIOR_OFF * prior[:, 2]
+        idx = bad[off & np.all(dom[bad] == prior, axis=1)]
+        if idx.size == 0:
+            return
+        Vi, rules = _rows(V, idx), self._rules(0)
+        gi, dgi = g[idx], dg[idx]
+        for _ in range(DOMAIN_FITS):
+            gi, dgi, ei, di = self._fitted_run(obs[idx], omega[idx], Vi, rules, gi, dgi)
+        erri = self._estimate(obs[idx], omega[idx], Vi, gi, dgi, ei, 0, di)
+        keep = erri < err[idx]
+        k = idx[keep]
+        g[k], dg[k], extra[k], dom[k], err[k] = gi[keep], dgi[keep], ei[keep], di[keep], erri[keep]
+
+    def _grow(self, obs, omega, V, rules, dom, g, dg, extra, idx):
+        """Grow the domain (kr x DOMAIN_GROWTH) of the samples idx whose edge weight share
+        exceeds EDGE_TOL, and rerun them, until none does (at most MAX_DOMAIN_GROWTH times);
+        updates dom and the results in place. Returns the samples grown."""
+        grown = np.zeros(omega.shape[0], dtype=bool)
+        for _ in range(MAX_DOMAIN_GROWTH):
+            grow = idx[extra[idx, 3] > EDGE_TOL]
+            if grow.size == 0:
+                break
+            grown[grow] = True
+            dom[grow, 3] *= DOMAIN_GROWTH
+            g[grow], dg[grow], extra[grow] = self._run(obs[grow], omega[grow], _rows(V, grow), rules, dom[grow])
+        return np.flatnonzero(grown)
+
+    def _prior_domain(self, omega, V):
+        """Polar domain per sample from the prior of u: (omega_u, its largest prior sd, POLAR_RADIUS)."""
+        k = self.kernels
+        dom = np.zeros((omega.shape[0], 4))
+        dom[:, 3] = POLAR_RADIUS
+        if not k.HAS_POLAR:  # (unused)
+            return dom
+        fk, ft = np.asarray(k.FREE_K[:2]), np.asarray(k.FREE_T[:2])
+        dom[:, :2] = omega[:, fk, ft]
+        dom[:, 2] = np.sqrt(np.maximum(V[:, fk, fk].max(axis=1), 0.0))
+        return dom
+
+    def _posterior_domain(self, omega, V, g, dg):
+        """Polar domain per sample fitted to the posterior of u, from g_out and dg_out:
+        E[z_t] = omega_t + V g_t, Cov(z_t, z_s) = V dg[:, t, :, s] V + delta_ts V; centre E[u],
+        scale the largest sd of u, POLAR_RADIUS. The scale is at least half the prior sd of u
+        given the other entries of its token, 1/sqrt((V^-1)_uu): where the solved row w(u)
+        is flat (saturated attention, where a far posterior sits) that is the posterior's
+        width, and a poorly resolved first pass can report a much smaller one."""
+        k = self.kernels
+        fk, ft = np.asarray(k.FREE_K[:2]), np.asarray(k.FREE_T[:2])
+        Vb = np.broadcast_to(V, (omega.shape[0], *V.shape[1:]))
+        mean = omega + np.einsum("nkj,njt->nkt", Vb, g)
+        cov_tt = np.einsum("nka,natbs,nbl->ntksl", Vb, dg, Vb)  # (n, T, p, T, p)
+        cu = cov_tt[:, ft[:, None], fk[:, None], ft[None, :], fk[None, :]]
+        cu = cu + np.where(ft[:, None] == ft[None, :], Vb[:, fk[:, None], fk[None, :]], 0.0)
+        dom = np.empty((omega.shape[0], 4))
+        dom[:, :2] = mean[:, fk, ft]
+        sd = np.sqrt(np.maximum(np.linalg.eigvalsh(0.5 * (cu + np.swapaxes(cu, 1, 2)))[:, -1], 0.0))
+        cond = 1.0 / np.sqrt(np.linalg.inv(Vb)[:, fk, fk].max(axis=1))
+        dom[:, 2] = np.maximum(sd, 0.5 * cond)
+        dom[:, 3] = POLAR_RADIUS
+        return dom
 
     def _rules(self, level: int, small: bool = False):
         """Rule set at refinement ``level`` (sizes x REFINE^level; x3/4 when ``small``), cached;
@@ -435,25 +552,30 @@ class Denoiser:
                                      self._polar_tables(polar))
         return self._rule_cache[key]
 
-    def _run(self, obs, omega, V, rules):
+    def _run(self, obs, omega, V, rules, dom):
+        """One pass of the kernels; dom: each sample's polar domain (c_0, c_1, s, kr: the disk
+        |u| <= |c| + kr s, or an annular sector around c; see the driver).
+        extra columns: log Z, effective nodes (< 0: polar rule), the Gauss-Hermite check's
+        difference (NaN where not used), the weight share on the polar domain's edge."""
         n = omega.shape[0]
         p, T = self._pT
         g = np.empty((n, p, T))
         dg = np.empty((n, p, T, p, T))
-        extra = np.empty((n, 3))
+        extra = np.empty((n, 4))
         status = np.empty(n, dtype=np.int64)
         (nodes, lw), (nk, lwk), (pc, ps, plw, rr, w_r, xa, wa) = rules
         nc, lwc = self._rule_coarse
         if not len(rr):  # no polar rule: no Gauss-Hermite check either
             nk, lwk = np.zeros((0, max(self.dim, 1))), np.zeros(0)
-        G, gidx = self._node_tables(omega, V, xa, wa, rr, w_r, len(nk) > 0)
+        dom = np.ascontiguousarray(dom, dtype=float)
+        G, gidx = self._node_tables(omega, V, xa, wa, rr, w_r, len(nk) > 0, dom)
         self.kernels.denoise_batch(obs, omega, V, self.params, nodes, lw, nc, lwc, self.adapt, self.inflate,
-                                   pc, ps, plw, rr, w_r, POLAR_RADIUS, self.polar_map == "sinh", xa, wa,
+                                   pc, ps, plw, rr, w_r, dom, self.polar_map == "sinh", xa, wa,
                                    POLAR_KAPPA, POLAR_CRAD, nk, lwk, self.check_tol, G, gidx, g, dg, extra, status)
         self._raise(status)
         return g, dg, extra
 
-    def _node_tables(self, omega, V, xa, wa, rr, w_r, skip_gh):
+    def _node_tables(self, omega, V, xa, wa, rr, w_r, skip_gh, dom):
         """Node tables of the mapped polar rule (driver ``polar_tables``): the full-disk radius is
         rounded up to a grid and the solved row is w = M(u)^{-1} h, so the node geometry and
         M^{-1} are computed once per grid radius and kept for every later sample and call with
@@ -465,7 +587,7 @@ class Denoiser:
         if not (len(rr) and self.polar_map == "sinh" and k.POLAR_LINEAR_OBS):
             return _NO_TABLES, np.full(n, -1, dtype=np.int64)
         key = np.empty(n, dtype=np.int64)
-        k.polar_table_keys(omega, V, POLAR_RADIUS, skip_gh, key)
+        k.polar_table_keys(omega, V, dom, skip_gh, key)
         gidx = np.empty(n, dtype=np.int64)
         rule = (len(xa), len(rr), self.params.tobytes())  # (the tables depend on skip and beta too)
         with self._table_lock:

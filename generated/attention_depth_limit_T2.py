@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: ca1478c005423335
-generator: 0.1.0+865966db5a
+generator: 0.1.0+2ede0dbc62
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -35,7 +35,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'ca1478c005423335'
-GENERATOR_VERSION = '0.1.0+865966db5a'
+GENERATOR_VERSION = '0.1.0+2ede0dbc62'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2
@@ -3205,28 +3205,27 @@ def _quad_prior(z, omega, Vinv):
     return acc
 
 
+# the polar rules' domain per sample, dom = (c_0, c_1, s, kr): a disk |u| <= |c| + kr s (u = the
+# free first-layer indices), or an annular sector around c (``_polar_pieces``); c = omega_u and
+# s = the prior sd of u by default, or fitted to the posterior of u when the likelihood pulls it
+# off the prior (the driver, ``Denoiser._sized_run``)
 @njit(cache=True)
-def polar_radius(omega, V, kr):
-    """Radius of the polar disk: |omega_u| + kr sqrt(V_uu) (u = the free first-layer indices;
-    the reduced posterior is bounded by a constant times their prior marginal)."""
-    m2 = 0.0
-    v = 0.0
-    for i in range(2):
-        m2 += omega[FREE_K[i], FREE_T[i]] ** 2
-        v = max(v, V[FREE_K[i], FREE_K[i]])
-    return math.sqrt(m2) + kr * math.sqrt(v)
+def polar_radius(dom):
+    """Outer radius of the polar domain: |c| + kr s."""
+    return math.sqrt(dom[0] * dom[0] + dom[1] * dom[1]) + dom[3] * dom[2]
 
 
 @njit(cache=True)
-def denoise_one_polar(obs, omega, V, params, pc, ps, plw, rr, w_r, kr, g_out, dg_out, extra):
+def denoise_one_polar(obs, omega, V, params, pc, ps, plw, rr, w_r, dom, g_out, dg_out, extra):
     """Two free indices u = z_1 (layer 1 tied, rank one, T = 2): polar product rule on the disk
-    |u| <= R = polar_radius(omega, V, kr), with Gauss-Legendre angles in the sectors cut by the
+    |u| <= R = polar_radius(dom), with Gauss-Legendre angles in the sectors cut by the
     lines u_1 = 0, u_2 = 0, u_1 = u_2 (POLAR_ANGLES), where the first layer's attention switches,
     so that every sector's integrand is smooth: spectral convergence.
 
     pc, ps, plw: cos, sin and log weight of every angle node (all sectors; fixed per rule);
     rr, w_r: Gauss-Legendre on [-1, 1] for the radius. The two branches are z_L = +-M^{-1} h with
-    the same Jacobian, so one ``branch`` call serves both."""
+    the same Jacobian, so one ``branch`` call serves both. extra[3]: the share of the weight on
+    the outermost radial ring (the domain's edge)."""
     p = P
     nt = T
     pt = p * nt
@@ -3234,7 +3233,7 @@ def denoise_one_polar(obs, omega, V, params, pc, ps, plw, rr, w_r, kr, g_out, dg
     logdet_V = _precision(V, Vinv)
     if logdet_V != logdet_V:
         return STATUS_BAD_V
-    R = polar_radius(omega, V, kr)
+    R = polar_radius(dom)
     n_r = rr.shape[0]
     rad = np.empty(n_r)
     lwr = np.empty(n_r)
@@ -3248,6 +3247,7 @@ def denoise_one_polar(obs, omega, V, params, pc, ps, plw, rr, w_r, kr, g_out, dg
     S1 = np.zeros(pt)
     S2 = np.zeros((pt, pt))
     dz = np.empty(pt)
+    edge = -math.inf  # log of the weight on the outermost radial ring (the domain's edge)
     for k in range(pc.shape[0]):
         for j in range(n_r):
             u[0] = rad[j] * pc[k]
@@ -3264,7 +3264,12 @@ def denoise_one_polar(obs, omega, V, params, pc, ps, plw, rr, w_r, kr, g_out, dg
                 if lw != lw:
                     return STATUS_NOT_FINITE
                 _accumulate(lw, z, omega, st, S1, S2, dz)
-    return _finish(st[0], st[1], st[2], S1, S2, Vinv, g_out, dg_out, extra)
+                if j == n_r - 1:
+                    hi = max(edge, lw)
+                    edge = hi + math.log(math.exp(edge - hi) + math.exp(lw - hi))
+    status = _finish(st[0], st[1], st[2], S1, S2, Vinv, g_out, dg_out, extra)
+    extra[3] = math.exp(edge - extra[0]) if status == STATUS_OK else 0.0
+    return status
 
 
 # SIMD exp: exp(x) = 2^k p(r), x = k ln 2 + r, |r| <= ln(2) / 2, p the polynomial below, 2^k
@@ -3351,30 +3356,35 @@ def _sincos(x, s, c, n):
 # POLAR_CORE sd (in angle) around its direction (measured: 1.5 beats 1, 2, 3, 4 and 5)
 POLAR_OFF = 2.5
 POLAR_CORE = 1.5
+# kinds of the ends of an angular piece of the mapped rule: inside the domain (plain
+# Gauss-Legendre), a switching line (the sinh map) or the domain's angular edge (plain; its
+# nodes count in the edge weight, ``_mapped_sums``)
+END_INNER = 0
+END_SWITCH = 1
+END_EDGE = 2
 
 
 @njit(cache=True)
-def _polar_domain(omega, V, kr):
-    """|omega_u|, the prior sd of u, arg omega_u mod pi, the inner radius r_lo of the domain
-    (> 0: the annular sector around omega_u) and whether a full-disk prior sits off the origin
-    (|omega_u| > POLAR_OFF sd)."""
-    o00 = omega[0, 0]
-    o01 = omega[0, 1]
-    mu = math.sqrt(o00 * o00 + o01 * o01)
-    su = math.sqrt(max(V[0, 0], 0.0))
-    r_lo = max(0.0, mu - kr * su)
-    return mu, su, math.atan2(o01, o00) % math.pi, r_lo, mu > POLAR_OFF * su
+def _polar_domain(dom):
+    """|c|, the scale s, arg c mod pi, the inner radius r_lo of the domain (> 0: the annular
+    sector around c) and whether a full-disk bump sits off the origin (|c| > POLAR_OFF s)."""
+    c0 = dom[0]
+    c1 = dom[1]
+    mu = math.sqrt(c0 * c0 + c1 * c1)
+    su = dom[2]
+    r_lo = max(0.0, mu - dom[3] * su)
+    return mu, su, math.atan2(c1, c0) % math.pi, r_lo, mu > POLAR_OFF * su
 
 
 @njit(cache=True)
 def _disk_pieces(phi, core):
     """Full-disk angular pieces in [0, pi]: the sectors between switching lines (POLAR_ANGLES),
     also cut at phi +- core (mod pi) when core < pi / 2; ends and whether each is a switching
-    line."""
+    line (END_SWITCH) or inner (END_INNER)."""
     pa = np.empty(16)
     pb = np.empty(16)
-    pea = np.zeros(16, dtype=np.bool_)
-    peb = np.zeros(16, dtype=np.bool_)
+    pea = np.zeros(16, dtype=np.int8)
+    peb = np.zeros(16, dtype=np.int8)
     n_pc = 0
     cuts = np.empty(2)
     n_cut = 0
@@ -3388,7 +3398,7 @@ def _disk_pieces(phi, core):
         if tb > math.pi + 1e-12:
             break
         lo = ta
-        lo_sw = True
+        lo_kind = END_SWITCH
         for _ in range(2):  # the cuts inside this sector, in increasing order
             nxt = tb
             for k in range(n_cut):
@@ -3398,24 +3408,24 @@ def _disk_pieces(phi, core):
                 break
             pa[n_pc] = lo
             pb[n_pc] = nxt
-            pea[n_pc] = lo_sw
-            peb[n_pc] = False
+            pea[n_pc] = lo_kind
+            peb[n_pc] = END_INNER
             n_pc += 1
             lo = nxt
-            lo_sw = False
+            lo_kind = END_INNER
         pa[n_pc] = lo
         pb[n_pc] = tb
-        pea[n_pc] = lo_sw
-        peb[n_pc] = True
+        pea[n_pc] = lo_kind
+        peb[n_pc] = END_SWITCH
         n_pc += 1
     return pa[:n_pc], pb[:n_pc], pea[:n_pc], peb[:n_pc]
 
 
 @njit(cache=True)
-def _polar_pieces(omega, V, kr, crad):
+def _polar_pieces(dom, crad):
     """Angular pieces in [0, pi] of the mapped polar rule (u and -u are visited together) and
     the radial range: each sector between switching lines (POLAR_ANGLES), intersected with the
-    arc around arg(omega_u) (mod pi) when the prior of u lies far from the origin (r_lo > 0;
+    arc around arg(c) (mod pi) when the bump of u (dom: c, s) lies far from the origin (r_lo > 0;
     the arc is cut 3 sd around that direction so that the bump's core gets its own pieces).
     On the full disk (r_lo = 0) a bump off the origin (|omega_u| > POLAR_OFF sd) is narrow in
     angle (width sd / |omega_u|): the sectors are also cut POLAR_CORE sd around its direction,
@@ -3423,10 +3433,12 @@ def _polar_pieces(omega, V, kr, crad):
     inside a sector (errors up to 5e-5 at the default size, V = 0.3 I), and its radial grading
     starts from the scale of its inner side. The full disk's radius is rounded up to the grid of
     ``_grid_radius`` (node tables). Returns R, r_lo, the radial scale c_eff of
-    r^2 = r_lo^2 + c_eff (e^s - 1), and per piece its ends and whether each end is a switching
-    line (which gets the sinh map; an inner end gets plain Gauss-Legendre)."""
-    mu, su, phi, r_lo, off = _polar_domain(omega, V, kr)
-    R = polar_radius(omega, V, kr)
+    r^2 = r_lo^2 + c_eff (e^s - 1), and per piece its ends and their kinds (END_SWITCH: a
+    switching line, which gets the sinh map; END_INNER, END_EDGE: inside the domain or on its
+    angular edge, plain Gauss-Legendre)."""
+    mu, su, phi, r_lo, off = _polar_domain(dom)
+    R = polar_radius(dom)
+    kr = dom[3]
     if r_lo <= 0.0:
         core = POLAR_CORE * su / mu if off else math.pi  # (>= pi/2: no cut)
         # logarithmic from the origin; a bump off it: from its inner side's scale, so that fewer
@@ -3436,8 +3448,8 @@ def _polar_pieces(omega, V, kr, crad):
         return _grid_radius(R), r_lo, c_eff, pa, pb, pea, peb
     pa = np.empty(16)
     pb = np.empty(16)
-    pea = np.zeros(16, dtype=np.bool_)
-    peb = np.zeros(16, dtype=np.bool_)
+    pea = np.zeros(16, dtype=np.int8)
+    peb = np.zeros(16, dtype=np.int8)
     n_pc = 0
     dlt = math.asin(min(1.0, kr * su / mu))
     core = min(dlt, 3.0 * su / mu)
@@ -3455,8 +3467,8 @@ def _polar_pieces(omega, V, kr, crad):
                 if hi > lo and n_pc < pa.shape[0]:
                     pa[n_pc] = lo
                     pb[n_pc] = hi
-                    pea[n_pc] = lo == ta
-                    peb[n_pc] = hi == tb
+                    pea[n_pc] = END_SWITCH if lo == ta else (END_EDGE if part == 0 else END_INNER)
+                    peb[n_pc] = END_SWITCH if hi == tb else (END_EDGE if part == 2 else END_INNER)
                     n_pc += 1
     return R, r_lo, max(crad, r_lo * r_lo), pa[:n_pc], pb[:n_pc], pea[:n_pc], peb[:n_pc]  # (about uniform in r^2)
 
@@ -3542,8 +3554,9 @@ def _polar_moments(wt, U, W, o00, o01, o10, o11, n, acc):
 def _table_moments(wt, U, W, o00, o01, o10, o11, n, acc):
     """``_polar_moments`` on the plain full disk (node tables), with fewer operations: the
     u-moments (sums of u and u u^T over both u-signs) are taken about the origin and moved to
-    omega_u at the end (the disk holds omega_u within 2.5 prior sd of u, so this costs no
-    precision), and the cross moments reuse the w sums. ~40 % fewer operations per node; the
+    omega_u at the end (the plain disk's bump lies within 2.5 sd of the origin; the shift
+    costs ~1e-16 |omega_u|^2 absolute in the second moments), and the cross moments reuse the
+    w sums. ~40 % fewer operations per node; the
     table path equals the per-sample kernel (``_polar_moments``) to rounding (tests)."""
     s0 = 0.0
     sw2 = 0.0
@@ -3724,7 +3737,7 @@ def _max_log_weight(L, J, tmp, n):
 
 
 @njit(cache=True, error_model="numpy")  # IEEE division: the node loops have no exception branch
-def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, crad, g_out, dg_out, extra):
+def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, dom, kappa, crad, g_out, dg_out, extra):
     """Two free indices u = z_1 (layer 1 tied, rank one, T = 2): mapped polar rule (default).
 
     Symmetry: the first layer's logits beta u_a u_b are even in u, so u and -u give the same
@@ -3732,7 +3745,7 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     serves the four points (+-u, +-w), and only the half plane 0 <= theta <= pi is visited.
 
     Radius: rho = r^2 = crad (e^s - 1), Gauss-Legendre in s on [0, log(1 + R^2 / crad)] (xr, wr
-    on [-1, 1]), R = polar_radius(omega, V, kr) (on the full disk rounded up to the grid of
+    on [-1, 1]), R = polar_radius(dom) (on the full disk rounded up to the grid of
     ``_grid_radius``): summed over +-u the integrand is analytic in rho, and the logits grow
     like rho, so a logarithmic grading resolves every scale.
     Angle: sectors cut on the lines where the attention switches (POLAR_ANGLES in [0, pi]),
@@ -3751,8 +3764,8 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     logdet_V = _precision(V, Vinv)
     if logdet_V != logdet_V:
         return STATUS_BAD_V
-    R, r_lo, c_eff, pa, pb, pea, peb = _polar_pieces(omega, V, kr, crad)
-    U, wpsi = _mapped_nodes(R, r_lo, c_eff, pa, pb, pea, peb, abs(polar_beta(params)), xa, wa, xr, wr, kappa)
+    R, r_lo, c_eff, pa, pb, pea, peb = _polar_pieces(dom, crad)
+    U, wpsi, aedge = _mapped_nodes(R, r_lo, c_eff, pa, pb, pea, peb, abs(polar_beta(params)), xa, wa, xr, wr, kappa)
     NT = U.shape[1]
     W = np.empty((2, NT))
     J = np.empty(NT)
@@ -3765,13 +3778,15 @@ def denoise_one_polar_mapped(obs, omega, V, params, xa, wa, xr, wr, kr, kappa, c
     nan = _nan_sum(L, NT)
     if nan != nan:
         return STATUS_NOT_FINITE
-    return _mapped_sums(U, W, J, L, NT, omega, Vinv, logdet_V, False, g_out, dg_out, extra)
+    return _mapped_sums(U, W, J, L, NT, omega, Vinv, logdet_V, False, NT // xr.shape[0], r_lo > 0.0, aedge,
+                        g_out, dg_out, extra)
 
 
 @njit(cache=True, error_model="numpy")
 def _mapped_nodes(R, r_lo, c_eff, pa, pb, pea, peb, beta, xa, wa, xr, wr, kappa):
     """Nodes U (2, NT) and weights (NT) of the mapped polar rule on the domain of
-    ``_polar_pieces`` (radius-major: node j * N + i, N angle nodes per radius)."""
+    ``_polar_pieces`` (radius-major: node j * N + i, N angle nodes per radius), and the angle
+    nodes i next to an angular edge of the domain (END_EDGE)."""
     n_pc = pa.shape[0]
     rho_lo = r_lo * r_lo
     Slog = math.log1p((R * R - rho_lo) / c_eff)
@@ -3787,12 +3802,18 @@ def _mapped_nodes(R, r_lo, c_eff, pa, pb, pea, peb, beta, xa, wa, xr, wr, kappa)
     tab = np.empty((9, N))
     Tmn = np.empty(N)  # asinh(half width / eps) of each node's piece, per radius
     sinh_map = beta > 0.0  # (beta = 0: no switching layer, plain Gauss-Legendre)
+    aedge = np.empty(2 * n_pc, dtype=np.int64)
+    n_edge = 0
     i = 0
     for e in range(n_pc):
         for side in range(2):
             edge = pa[e] if side == 0 else pb[e]
             dirn = 1.0 if side == 0 else -1.0
-            mapped = (pea[e] if side == 0 else peb[e]) and sinh_map
+            kind = pea[e] if side == 0 else peb[e]
+            mapped = kind == END_SWITCH and sinh_map
+            if kind == END_EDGE:  # (xa ascending: node 0 is the one next to the end)
+                aedge[n_edge] = i
+                n_edge += 1
             c_edge = math.cos(edge)
             s_edge = math.sin(edge)
             for k in range(na):
@@ -3856,7 +3877,7 @@ def _mapped_nodes(R, r_lo, c_eff, pa, pb, pea, peb, beta, xa, wa, xr, wr, kappa)
             c_ = SC[1, j * N + i]
             U[0, j * N + i] = r * (tab[0, i] * c_ - tab[3, i] * s_)
             U[1, j * N + i] = r * (tab[1, i] * c_ + tab[2, i] * s_)
-    return U, wpsi
+    return U, wpsi, aedge[:n_edge]
 
 
 # the polar kernels' log weights are log prior densities up to their constant, so <= 0: with
@@ -3876,12 +3897,31 @@ def _sign_pair_weights(L, J, n, shift):
             x[i] = J[i] * _exp(x[i] - shift)
 
 
+@njit(cache=True, fastmath={"contract", "reassoc"})
+def _edge_weight(wt, n, N, inner, aedge):
+    """Weight (rows: the sign pairs) on the domain's edge: the outermost radial ring (the last N
+    nodes, radius-major), the innermost where the domain is an annulus (inner) and, per ring,
+    the angle nodes aedge next to an angular edge."""
+    e = 0.0
+    for i in range(n - N, n):
+        e += (wt[0, i] + wt[1, i]) + (wt[2, i] + wt[3, i])
+    if inner:
+        for i in range(N):
+            e += (wt[0, i] + wt[1, i]) + (wt[2, i] + wt[3, i])
+    for j in range(n // N):
+        for i in aedge:
+            k = j * N + i
+            e += (wt[0, k] + wt[1, k]) + (wt[2, k] + wt[3, k])
+    return e
+
+
 @njit(cache=True, error_model="numpy")
-def _mapped_sums(U, W, J, L, NT, omega, Vinv, logdet_V, table, g_out, dg_out, extra):
+def _mapped_sums(U, W, J, L, NT, omega, Vinv, logdet_V, table, N, inner, aedge, g_out, dg_out, extra):
     """From the log weights L (finite; overwritten) of the four sign pairs at the nodes U, W
     (node weights J, zero off the domain): log-sum-exp (shift 0, else the maximum over the
     nodes with J > 0) and the moment sums (``_table_moments`` where ``table``, else
-    ``_polar_moments``) -> g_out, dg_out, log Z."""
+    ``_polar_moments``) -> g_out, dg_out, log Z; extra[3] = the share of the weight on the
+    domain's edge (``_edge_weight``; N angle nodes per radius)."""
     o00 = omega[0, 0]
     o01 = omega[0, 1]
     o10 = omega[1, 0]
@@ -3904,6 +3944,7 @@ def _mapped_sums(U, W, J, L, NT, omega, Vinv, logdet_V, table, g_out, dg_out, ex
             shift = -math.inf
             break
         acc[:] = 0.0
+    extra[3] = _edge_weight(L, NT, N, inner, aedge) / acc[0] if acc[0] > 0.0 else 0.0
     return _finish_acc(shift + const, acc, Vinv, g_out, dg_out, extra)
 
 
@@ -3944,17 +3985,17 @@ NO_TABLE = -(2**62)
 
 
 @njit(cache=True)
-def polar_table_keys(omega, V, kr, skip_gh, out):
-    """Per sample (V leading size 1 or N), the grid index k of its node table (radius
+def polar_table_keys(omega, V, dom, skip_gh, out):
+    """Per sample (V leading size 1 or N; dom per sample), the grid index k of its node table (radius
     2^(k / POLAR_GRID), ``_grid_radius``) where the mapped rule's domain is the plain full disk
     (no cut around arg omega_u, see ``_polar_pieces``), else NO_TABLE; NO_TABLE also where the
     Gauss-Hermite path is tried first (skip_gh and ``gh_plausible``)."""
     shared = V.shape[0] == 1
     for i in range(omega.shape[0]):
         Vi = V[0] if shared else V[i]
-        mu, su, phi, r_lo, off = _polar_domain(omega[i], Vi, kr)
+        mu, su, phi, r_lo, off = _polar_domain(dom[i])
         plain = r_lo <= 0.0 and not off and su > 0.0 and not (skip_gh and gh_plausible(omega[i], Vi))
-        out[i] = _grid_index(polar_radius(omega[i], Vi, kr)) if plain else NO_TABLE
+        out[i] = _grid_index(polar_radius(dom[i])) if plain else NO_TABLE
 
 
 @njit(cache=True)
@@ -3987,7 +4028,7 @@ def polar_tables(keys, params, xa, wa, xr, wr, kappa, crad, G):
     beta = abs(polar_beta(params))
     pa, pb, pea, peb = _disk_pieces(0.0, math.pi)
     for k in prange(keys.shape[0]):
-        U, wpsi = _mapped_nodes(_grid_value(keys[k]), 0.0, crad, pa, pb, pea, peb, beta, xa, wa, xr, wr, kappa)
+        U, wpsi, _ = _mapped_nodes(_grid_value(keys[k]), 0.0, crad, pa, pb, pea, peb, beta, xa, wa, xr, wr, kappa)
         NT = U.shape[1]
         W = np.empty((T, NT))
         J = np.empty(NT)
@@ -4010,7 +4051,7 @@ def polar_tables(keys, params, xa, wa, xr, wr, kappa, crad, G):
 
 
 @njit(cache=True, error_model="numpy")
-def denoise_one_polar_table(obs, omega, V, Gk, g_out, dg_out, extra):
+def denoise_one_polar_table(obs, omega, V, Gk, nr, g_out, dg_out, extra):
     """``denoise_one_polar_mapped`` from a node table (``polar_tables``): the solved rows are
     w = A h, so a sample costs only its weights and moment sums (the node geometry and
     ``polar_rows``, about half the work, are shared by the batch). Equal to the per-sample
@@ -4026,7 +4067,8 @@ def denoise_one_polar_table(obs, omega, V, Gk, g_out, dg_out, extra):
                              Vinv[0, 1], Vinv[1, 1], NT, W, L)
     if nan != nan:
         return STATUS_NOT_FINITE
-    return _mapped_sums(Gk[0:2], W, Gk[POLAR_TABLE_ROWS - 1], L, NT, omega, Vinv, logdet_V, True, g_out, dg_out, extra)
+    return _mapped_sums(Gk[0:2], W, Gk[POLAR_TABLE_ROWS - 1], L, NT, omega, Vinv, logdet_V, True, NT // nr, False,
+                        np.empty(0, dtype=np.int64), g_out, dg_out, extra)  # (the plain disk: no angular edge)
 
 
 @njit(cache=True, fastmath={"contract", "reassoc"})
@@ -4285,7 +4327,7 @@ def _rel_diff(g1, dg1, e1, g2, dg2, e2):
 
 @njit(cache=True, parallel=True)
 def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt, inflate,
-                  pc, ps, plw, rr, w_r, kr, mapped, xa, wa, kappa, crad, nodes_k, log_w_k, check_tol,
+                  pc, ps, plw, rr, w_r, dom, mapped, xa, wa, kappa, crad, nodes_k, log_w_k, check_tol,
                   G, gidx, g_out, dg_out, extra, status):
     """Batch over the leading axis; V has leading size 1 (shared) or N.
 
@@ -4294,13 +4336,16 @@ def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt
     (nodes_k) to check_tol (extra[i, 2] = that difference, else NaN); otherwise, and everywhere
     else, the polar rule. extra[i, 1] is the effective number of nodes, negative where the polar
     rule was used. Gauss-Hermite on polar models runs ``denoise_one_gh_polar`` (SIMD). The mapped
-    rule reads the node table G[gidx[i]] (``polar_tables``) where gidx[i] >= 0."""
+    rule reads the node table G[gidx[i]] (``polar_tables``) where gidx[i] >= 0. dom[i]: the polar
+    domain (``polar_radius``); extra[i, 3]: the polar rule's weight share on the domain's
+    edge (0 on the other paths)."""
     n = omega.shape[0]
     shared = V.shape[0] == 1
     use_polar = rr.shape[0] > 0  # a polar rule was given (HAS_POLAR: the model has one)
     for i in prange(n):
         Vi = V[0] if shared else V[i]
         extra[i, 2] = math.nan
+        extra[i, 3] = 0.0
         if HAS_POLAR and use_polar:  # (HAS_POLAR is a constant: numba prunes the branch)
             if nodes_k.shape[0] > 0 and gh_plausible(omega[i], Vi):
                 st = denoise_one_gh_polar(obs[i], omega[i], Vi, params, nodes, log_w, nodes_c, log_w_c, n_adapt,
@@ -4318,12 +4363,13 @@ def denoise_batch(obs, omega, V, params, nodes, log_w, nodes_c, log_w_c, n_adapt
                             status[i] = STATUS_OK
                             continue
             if mapped and gidx[i] >= 0:
-                status[i] = denoise_one_polar_table(obs[i], omega[i], Vi, G[gidx[i]], g_out[i], dg_out[i], extra[i])
+                status[i] = denoise_one_polar_table(obs[i], omega[i], Vi, G[gidx[i]], rr.shape[0], g_out[i], dg_out[i],
+                                                    extra[i])
             elif mapped:
-                status[i] = denoise_one_polar_mapped(obs[i], omega[i], Vi, params, xa, wa, rr, w_r, kr, kappa, crad,
+                status[i] = denoise_one_polar_mapped(obs[i], omega[i], Vi, params, xa, wa, rr, w_r, dom[i], kappa, crad,
                                                      g_out[i], dg_out[i], extra[i])
             else:
-                status[i] = denoise_one_polar(obs[i], omega[i], Vi, params, pc, ps, plw, rr, w_r, kr,
+                status[i] = denoise_one_polar(obs[i], omega[i], Vi, params, pc, ps, plw, rr, w_r, dom[i],
                                               g_out[i], dg_out[i], extra[i])
             extra[i, 1] = -extra[i, 1]  # negative ess marks the polar rule
             continue

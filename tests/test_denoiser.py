@@ -14,7 +14,7 @@ from scipy.stats import norm
 import aimsym
 from aimsym import spec as S
 from aimsym.codegen import REPO_ROOT
-from aimsym.channel import POLAR_CRAD, POLAR_KAPPA, POLAR_RADIUS
+from aimsym.channel import POLAR_CRAD, POLAR_KAPPA
 from aimsym.errors import ChannelError
 
 D = REPO_ROOT / "derivations"
@@ -407,12 +407,13 @@ def test_node_table_kernel_equals_per_sample_kernel(seed, c, v, scale):
     obs = m.observation(om + np.linalg.cholesky(V) @ rng.standard_normal((6, 2, 2)))  # (y may underflow)
     out = den(None, om, V, obs=obs)
     _, _, _, rr, w_r, xa, wa = den._polar_tables(den.polar)
-    G, gidx = den._node_tables(om, V[None], xa, wa, rr, w_r, False)
+    dom = den._prior_domain(om, V[None])
+    G, gidx = den._node_tables(om, V[None], xa, wa, rr, w_r, False, dom)
     for i in range(len(obs)):
         mu, su = np.hypot(*om[i, 0]), np.sqrt(V[0, 0])
         assert (gidx[i] >= 0) == (mu <= k.POLAR_OFF * su)  # tables exactly where the domain is the plain disk
-        g, dg, ex = np.empty((2, 2)), np.empty((2, 2, 2, 2)), np.empty(3)
-        assert k.denoise_one_polar_mapped(obs[i], om[i], V, den.params, xa, wa, rr, w_r, POLAR_RADIUS, POLAR_KAPPA,
+        g, dg, ex = np.empty((2, 2)), np.empty((2, 2, 2, 2)), np.empty(4)
+        assert k.denoise_one_polar_mapped(obs[i], om[i], V, den.params, xa, wa, rr, w_r, dom[i], POLAR_KAPPA,
                                           POLAR_CRAD, g, dg, ex) == 0
         assert np.allclose(out.g_out[i], g, rtol=0, atol=1e-11 * max(1.0, np.abs(g).max()))
         assert np.allclose(out.dg_out[i], dg, rtol=0, atol=1e-11 * max(1.0, np.abs(dg).max()))
@@ -617,6 +618,94 @@ def test_extreme_outputs_are_finite():
     assert np.all(np.isfinite(out.g_out)) and np.all(np.isfinite(out.dg_out)) and np.isfinite(out.log_z_out)
 
 
+def _polar_on_domain(den, obs, om, V, dom, sizes):
+    """The polar kernel of den's map (mapped or Legendre) called per sample on the fixed domain
+    dom (no growth, no fit); also returns the weight share on the domain's edge."""
+    pc, ps, plw, rr, w_r, xa, wa = den._polar_tables(sizes)
+    k, n = den.kernels, len(obs)
+    g, dg, ex = np.empty((n, 2, 2)), np.empty((n, 2, 2, 2, 2)), np.empty((n, 4))
+    for i in range(n):
+        if den.polar_map == "sinh":
+            st = k.denoise_one_polar_mapped(obs[i], om[i], V, den.params, xa, wa, rr, w_r, dom[i], POLAR_KAPPA,
+                                            POLAR_CRAD, g[i], dg[i], ex[i])
+        else:
+            st = k.denoise_one_polar(obs[i], om[i], V, den.params, pc, ps, plw, rr, w_r, dom[i], g[i], dg[i], ex[i])
+        assert st == 0
+    return g, dg, ex[:, 0], ex[:, 3]
+
+
+def _largest_difference(a, b):
+    """Per sample: |log Z difference| and g_out, dg_out differences relative to their size (at least 1)."""
+    n = len(a[2])
+    out = np.abs(a[2] - b[2])
+    for x, ref in zip(a[:2], b[:2]):
+        scale = np.maximum(1.0, np.abs(ref).reshape(n, -1).max(axis=1))
+        out = np.maximum(out, np.abs(x - ref).reshape(n, -1).max(axis=1) / scale)
+    return out
+
+
+@pytest.mark.parametrize("V,offset,kr,sizes", [
+    ([[1.0, 0.2], [0.2, 0.8]], 16.0, 20.0, ((64, 320), (100, 400))),
+    # strongly correlated: the posterior of u is narrow (sd 0.3) and ~15 from the origin
+    ([[0.3, -0.25], [-0.25, 0.3]], 10.0, 40.0, ((128, 1200), (200, 800))),
+])
+def test_a_posterior_far_from_the_prior_of_u_is_found(V, offset, kr, sizes):
+    """omega_w far from every solved row w(u) pulls the posterior of u out of the domain sized
+    on its prior (8.5 sd): the prior domain's edge carries weight, and the default denoiser
+    (grown, then fitted domain) equals two large rules (mapped and Legendre) on a fixed domain
+    of kr prior sd, whose edge is empty, to 1e-8 (on the prior's domain alone the error was
+    1e-3). The two references agree with each other to 1e-9."""
+    import aimsym.channel as ch
+
+    m = load("attention_L2_T2", skip=1.0)
+    V = np.array(V)
+    rng = np.random.default_rng(5)
+    Z, y = m.sample(6, rng)
+    om = np.empty((6, 2, 2))
+    om[:, 1] = Z[:, 1] + offset * rng.choice([-1.0, 1.0], size=(6, 2))
+    om[:, 0] = Z[:, 0] + 0.5 * rng.standard_normal((6, 2))
+    den = m.denoiser()
+    obs = den.observe(y)
+    prior = den._prior_domain(om, V[None])
+    *_, edge = _polar_on_domain(den, obs, om, V, prior, den.polar)
+    assert np.any(edge > ch.EDGE_TOL)  # the prior's domain cuts the posterior
+    big = prior.copy()
+    big[:, 3] = kr
+    *ref, edge = _polar_on_domain(den, obs, om, V, big, sizes[0])
+    assert np.all(edge < 1e-14)
+    *leg, edge = _polar_on_domain(m.denoiser(polar_map="legendre"), obs, om, V, big, sizes[1])
+    assert np.all(edge < 1e-14)
+    assert np.all(_largest_difference(leg, ref) <= 1e-9)
+    out = den(y, om, V)
+    assert np.all(_largest_difference((out.g_out, out.dg_out, out.log_z_out), ref) <= 1e-8)
+    assert np.all(out.error <= 1e-8)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), v=st.sampled_from([0.02, 0.3, 1.0]))
+def test_posterior_domain_reads_the_gaussian_posterior_moments(seed, v):
+    """_posterior_domain recovers the mean of u and its largest sd from g_out, dg_out of a
+    Gaussian posterior N(m, C) of z (g_t = V^-1 (m_t - omega_t), dg = V^-1 C V^-1 - delta V^-1),
+    the scale floored at half the conditional prior sd of u, 1/sqrt((V^-1)_uu)."""
+    m = load("attention_L2_T2", skip=1.0)
+    den = m.denoiser()
+    rng = np.random.default_rng(seed)
+    V = random_spd(rng, 2) * v
+    om = rng.normal(size=(1, 2, 2))
+    mean = om + rng.normal(size=(1, 2, 2)) * 3
+    A = rng.normal(size=(4, 4)) * rng.choice([0.01, 1.0])
+    C = A @ A.T  # covariance of z, index k * T + t
+    Vi = np.linalg.inv(V)
+    g = np.einsum("kj,njt->nkt", Vi, mean - om)
+    Ct = C.reshape(2, 2, 2, 2)  # (k, t, l, s)
+    dg = np.einsum("ka,atbs,bl->ktls", Vi, Ct, Vi)[None] - np.einsum("kl,ts->ktls", Vi, np.eye(2))[None]
+    dom = den._posterior_domain(om, V[None], g, dg)
+    assert np.allclose(dom[0, :2], mean[0, 0], atol=1e-10 * (1 + np.abs(mean).max()))
+    Cu = Ct[0, :, 0, :]  # u = z_{0, t}
+    sd = max(np.sqrt(np.linalg.eigvalsh(Cu)[-1]), 0.5 / np.sqrt(Vi[0, 0]))
+    assert dom[0, 2] == pytest.approx(sd, rel=1e-8)
+
+
 def test_weights_below_the_double_range_take_the_exact_shift():
     """The mapped polar kernels sum their weights with log-sum-exp shift 0 (the log prior is
     <= 0) and redo the sums shifted by the exact maximum when S0 < 1e-100. 30 sd from omega_w
@@ -635,7 +724,7 @@ def test_weights_below_the_double_range_take_the_exact_shift():
     den = m.denoiser(polar=(12, 32), tol=None, check_tol=0.0)
     a = den(y, om, V)
     r = den._rules(0)[2]
-    _, gidx = den._node_tables(om, V[None], r[5], r[6], r[3], r[4], False)
+    _, gidx = den._node_tables(om, V[None], r[5], r[6], r[3], r[4], False, den._prior_domain(om, V[None]))
     assert np.all(gidx[:3] >= 0) and np.all(gidx[3:] == -1) and np.all(a.polar)
     assert np.all(a.log_z_out < -700)
     b = m.denoiser(polar=(60, 160), polar_map="legendre", tol=None, check_tol=0.0)(y, om, V)
