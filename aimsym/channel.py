@@ -478,7 +478,7 @@ class Denoiser:
         fit = self._posterior_domain(omega[bad], Vb, g[bad], dg[bad])
         off = np.hypot(*(fit[:, :2] - prior[:, :2]).T) > POSTERIOR_OFF * prior[:, 2]
         idx = bad[off & np.all(dom[bad] == prior, axis=1)]
-        if idx.size == 0:
+        if idx.size == 0 or DOMAIN_FITS < 1:
             return
         Vi, rules = _rows(V, idx), self._rules(0)
         gi, dgi = g[idx], dg[idx]
