@@ -681,6 +681,31 @@ def test_a_posterior_far_from_the_prior_of_u_is_found(V, offset, kr, sizes):
     assert np.all(out.error <= 1e-8)
 
 
+def test_a_failing_sample_off_its_prior_is_retried_on_the_posterior_domain(monkeypatch):
+    """Two points (V = [[1, .2], [.2, .8]], omega_w offset 16) whose posterior of u stays inside
+    the prior's domain but > 3 prior sd from omega_u: the prior's domain grades its nodes
+    towards the prior's bump and its refinements stop at estimates 1e-6 and 1e-5; retried on
+    the fitted domain they reach tol, and agree with a large fixed-domain rule to 1e-8."""
+    import aimsym.channel as ch
+
+    m = load("attention_L2_T2", skip=1.0)
+    V = np.array([[1.0, 0.2], [0.2, 0.8]])
+    h = np.array([[2.344354070569521, -0.5331755337506935], [0.8704642908140953, 3.84590100883268]])
+    om = np.array([[[-5.344166000806636, 4.052184899307776], [-14.689974267651468, 15.233087121166145]],
+                   [[-4.389556955370091, 5.9106715035731066], [-15.818737405654723, 17.933630060128834]]])
+    den = m.denoiser()
+    big = den._prior_domain(om, V[None])
+    big[:, 3] = 20.0
+    *ref, edge = _polar_on_domain(den, h, om, V, big, (64, 320))
+    assert np.all(edge < 1e-14)
+    out = den(None, om, V, obs=h)
+    assert np.all(out.error <= 1e-8)
+    assert np.all(_largest_difference((out.g_out, out.dg_out, out.log_z_out), ref) <= 1e-8)
+    monkeypatch.setattr(ch, "POSTERIOR_OFF", np.inf)  # no retry: the prior's domain only
+    with pytest.warns(RuntimeWarning, match="did not reach tol"):
+        assert np.all(m.denoiser()(None, om, V, obs=h).error > 1e-7)
+
+
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), v=st.sampled_from([0.02, 0.3, 1.0]))
 def test_posterior_domain_reads_the_gaussian_posterior_moments(seed, v):
