@@ -475,8 +475,9 @@ class Denoiser:
             return
         Vb = _rows(V, bad)
         prior = self._prior_domain(omega[bad], Vb)
-        fit = self._posterior_domain(omega[bad], Vb, g[bad], dg[bad])
-        off = np.hypot(*(fit[:, :2] - prior[:, :2]).T) > POSTERIOR_OFF * prior[:, 2]
+        fk, ft = np.asarray(self.kernels.FREE_K[:2]), np.asarray(self.kernels.FREE_T[:2])
+        shift = np.einsum("nkj,njt->nkt", np.broadcast_to(Vb, (bad.size, *Vb.shape[1:])), g[bad])[:, fk, ft]
+        off = np.hypot(shift[:, 0], shift[:, 1]) > POSTERIOR_OFF * prior[:, 2]  # E u - omega_u = (V g)_u
         idx = bad[off & np.all(dom[bad] == prior, axis=1)]
         if idx.size == 0 or DOMAIN_FITS < 1:
             return
