@@ -32,8 +32,8 @@ Accuracy. Two rules for the integral over the free entries u:
 ``error=True`` repeats the computation with rules of 3/4 the size (per dimension) and reports the
 largest difference of g_out and dg_out as ``error``. ``tol`` (optional) makes that a loop: samples
 whose difference exceeds tol (relative to the size of g_out and dg_out) are recomputed with rules
-REFINE = 4/3 times larger, up to ``max_refine`` times; the returned ``error`` is then the last
-difference.
+REFINE = 4/3 times larger, up to ``max_refine`` (default MAX_REFINE = 7) times; the returned
+``error`` is then the last difference (at least the weight share on the polar domain's edge).
 The default denoiser (``model.denoiser()`` with no rule sizes) runs with ``tol = DEFAULT_TOL``
 (1e-8) on the exact path; explicit rule sizes (the solvers' fast settings) run the fixed rule
 unless a ``tol`` is given too. ``den(..., tol=None)`` skips the control for one call.
@@ -87,6 +87,11 @@ DEFAULT_TOL = 1e-8
 # checked against the previous one as the main rule is against the check (measured on 512
 # points per SE regime against x1.5 with max_refine 3: 8-14 % fewer nodes; reach (4/3)^4 = 3.2x)
 REFINE = 4 / 3
+# at most this many levels ((4/3)^7 = 7.5x per axis). The SE regimes need at most 4 (2 048 points
+# each, none above tol after level 4); the extra levels serve rare far points (a narrow
+# posterior far from the origin, docs/denoiser.md), which stopped at estimates up to 2e-6 with
+# 4 and reach 1e-8 with 7
+MAX_REFINE = 7
 MAX_TENSOR_NODES = 200_000
 # memory for the node tables of one denoiser and rule size (about 0.1 MB per table at the
 # default rule); beyond it the cache restarts
@@ -282,7 +287,7 @@ class Denoiser:
         return obs.reshape(*batch, n_obs)
 
     def __call__(self, y, omega, V, *, error: bool = False, obs=None, tol: float | None | str = "default",
-                 max_refine: int = 4) -> DenoiserOutput:
+                 max_refine: int = MAX_REFINE) -> DenoiserOutput:
         """``obs`` (optional, from ``model.observation(Z)``) replaces y: the reduced observed
         quantity, e.g. h for attention models when the output softmax underflows. ``error``:
         estimate the error from rules of 3/4 the size; ``tol``: refine (rules x4/3) the samples
@@ -299,6 +304,8 @@ class Denoiser:
         if not np.all(np.isfinite(V)):
             raise ChannelError("V", "contains NaN or infinite entries")
         tol = self.tol if (isinstance(tol, str) and tol == "default") else _check_tol(tol)
+        if isinstance(max_refine, bool) or not (isinstance(max_refine, int | np.integer) and 0 <= max_refine <= 10):
+            raise ChannelError("max_refine", f"must be an integer in 0..10, got {max_refine!r}")
         if self.kernels.PATH == "halfspace":
             return self._halfspace(y, omega, V)
         if self.kernels.PATH == "hardmax-wedge":

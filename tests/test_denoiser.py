@@ -685,7 +685,8 @@ def test_a_failing_sample_off_its_prior_is_retried_on_the_posterior_domain(monke
     """Two points (V = [[1, .2], [.2, .8]], omega_w offset 16) whose posterior of u stays inside
     the prior's domain but > 3 prior sd from omega_u: the prior's domain grades its nodes
     towards the prior's bump and its refinements stop at estimates 1e-6 and 1e-5; retried on
-    the fitted domain they reach tol, and agree with a large fixed-domain rule to 1e-8."""
+    the fitted domain they reach tol within the same 4 levels, and agree with a large
+    fixed-domain rule to 1e-8."""
     import aimsym.channel as ch
 
     m = load("attention_L2_T2", skip=1.0)
@@ -698,12 +699,32 @@ def test_a_failing_sample_off_its_prior_is_retried_on_the_posterior_domain(monke
     big[:, 3] = 20.0
     *ref, edge = _polar_on_domain(den, h, om, V, big, (64, 320))
     assert np.all(edge < 1e-14)
-    out = den(None, om, V, obs=h)
+    out = den(None, om, V, obs=h, max_refine=4)
     assert np.all(out.error <= 1e-8)
     assert np.all(_largest_difference((out.g_out, out.dg_out, out.log_z_out), ref) <= 1e-8)
     monkeypatch.setattr(ch, "POSTERIOR_OFF", np.inf)  # no retry: the prior's domain only
     with pytest.warns(RuntimeWarning, match="did not reach tol"):
-        assert np.all(m.denoiser()(None, om, V, obs=h).error > 1e-7)
+        assert np.all(m.denoiser()(None, om, V, obs=h, max_refine=4).error > 1e-7)
+
+
+def test_a_far_posterior_reaches_tol_with_the_default_levels():
+    """omega_u 16 from the origin, omega_w offset 16 (log Z ~ -300): 4 refinement levels stop at
+    an estimate 2e-6 (and warn), the default 7 reach tol and agree with a large fixed-domain
+    rule (mapped (128, 1200), 45 prior sd) to 1e-8."""
+    m = load("attention_L2_T2", skip=1.0)
+    V = np.array([[1.0, 0.2], [0.2, 0.8]])
+    h = np.array([[2.344354070569521, -0.5331755337506935]])
+    om = np.array([[[10.655833999193364, -11.947815100692223], [17.31002573234853, 15.233087121166145]]])
+    den = m.denoiser()
+    with pytest.warns(RuntimeWarning, match="did not reach tol"):
+        assert den(None, om, V, obs=h, max_refine=4).error[0] > 1e-7
+    out = den(None, om, V, obs=h)
+    assert out.error[0] <= 1e-8
+    big = den._prior_domain(om, V[None])
+    big[:, 3] = 45.0
+    *ref, edge = _polar_on_domain(den, h, om, V, big, (128, 1200))
+    assert edge[0] < 1e-14
+    assert _largest_difference((out.g_out, out.dg_out, out.log_z_out), ref)[0] <= 1e-8
 
 
 @settings(max_examples=30, deadline=None)
@@ -799,6 +820,15 @@ def test_off_manifold_outputs_raise_clear_errors(y, field):
     with pytest.raises(ChannelError) as err:
         m.denoiser()(y, np.zeros((2, 2)), np.eye(2))
     assert err.value.field == field and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [-1, 11, 2.5, True, "4"])
+def test_max_refine_out_of_range_names_the_field(bad):
+    m = load("attention_L2_T2", skip=1.0)
+    _, y = m.sample(1, np.random.default_rng(0))
+    with pytest.raises(ChannelError) as err:
+        m.denoiser()(y[0], np.zeros((2, 2)), np.eye(2), max_refine=bad)
+    assert err.value.field == "max_refine" and "\n" not in str(err.value)
 
 
 def test_bad_V_and_omega_shapes():
