@@ -240,7 +240,11 @@ class Denoiser:
                 # the mapped rule's full-disk radius is rounded up to this grid (node tables)
                 "polar_radius_grid": (f"2^(k/{self.kernels.POLAR_GRID})"
                                       if self.polar and self.polar_map == "sinh" else None),
-                "gh_check_tol": self.check_tol if self.polar else None, "tol": self.tol}
+                "gh_check_tol": self.check_tol if self.polar else None, "tol": self.tol,
+                "max_refine": MAX_REFINE,
+                # the polar domain is sized on the posterior of u (``_sized_run``)
+                "polar_domain": ({"edge_tol": EDGE_TOL, "growth": DOMAIN_GROWTH, "max_growth": MAX_DOMAIN_GROWTH,
+                                  "fits": DOMAIN_FITS, "posterior_off_sd": POSTERIOR_OFF} if self.polar else None)}
 
     def _polar_tables(self, sizes):
         """Legendre rule: (cos, sin, log weight) of every angle node over the sectors; both rules:
