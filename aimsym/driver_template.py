@@ -1189,7 +1189,7 @@ NO_TABLE = -(2**62)
 def polar_table_keys(omega, V, dom, skip_gh, out):
     """Per sample (V leading size 1 or N; dom per sample), the grid index k of its node table (radius
     2^(k / POLAR_GRID), ``_grid_radius``) where the mapped rule's domain is the plain full disk
-    (no cut around arg omega_u, see ``_polar_pieces``), else NO_TABLE; NO_TABLE also where the
+    (no cut around arg c, see ``_polar_pieces``), else NO_TABLE; NO_TABLE also where the
     Gauss-Hermite path is tried first (skip_gh and ``gh_plausible``)."""
     shared = V.shape[0] == 1
     for i in range(omega.shape[0]):

@@ -2,7 +2,7 @@
 
 model: attention_L3_T2
 spec hash: a55bd7fb68e63aa4
-generator: 0.1.0+2ede0dbc62
+generator: 0.1.0+3f2a1cea4b
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'a55bd7fb68e63aa4'
-GENERATOR_VERSION = '0.1.0+2ede0dbc62'
+GENERATOR_VERSION = '0.1.0+3f2a1cea4b'
 NAME = 'attention_L3_T2'
 P = 3
 T = 2
@@ -1589,7 +1589,7 @@ NO_TABLE = -(2**62)
 def polar_table_keys(omega, V, dom, skip_gh, out):
     """Per sample (V leading size 1 or N; dom per sample), the grid index k of its node table (radius
     2^(k / POLAR_GRID), ``_grid_radius``) where the mapped rule's domain is the plain full disk
-    (no cut around arg omega_u, see ``_polar_pieces``), else NO_TABLE; NO_TABLE also where the
+    (no cut around arg c, see ``_polar_pieces``), else NO_TABLE; NO_TABLE also where the
     Gauss-Hermite path is tried first (skip_gh and ``gh_plausible``)."""
     shared = V.shape[0] == 1
     for i in range(omega.shape[0]):

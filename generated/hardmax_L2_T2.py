@@ -2,7 +2,7 @@
 
 model: hardmax_L2_T2
 spec hash: 7508f35d33687fef
-generator: 0.1.0+2ede0dbc62
+generator: 0.1.0+3f2a1cea4b
 denoiser path: exact (hardmax last layer after a tied rank-one first layer, T = 2: region constraint (z_2 in a union of wedges depending on z_1), 2-D integral over z_1)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '7508f35d33687fef'
-GENERATOR_VERSION = '0.1.0+2ede0dbc62'
+GENERATOR_VERSION = '0.1.0+3f2a1cea4b'
 NAME = 'hardmax_L2_T2'
 P = 2
 T = 2
@@ -1462,7 +1462,7 @@ NO_TABLE = -(2**62)
 def polar_table_keys(omega, V, dom, skip_gh, out):
     """Per sample (V leading size 1 or N; dom per sample), the grid index k of its node table (radius
     2^(k / POLAR_GRID), ``_grid_radius``) where the mapped rule's domain is the plain full disk
-    (no cut around arg omega_u, see ``_polar_pieces``), else NO_TABLE; NO_TABLE also where the
+    (no cut around arg c, see ``_polar_pieces``), else NO_TABLE; NO_TABLE also where the
     Gauss-Hermite path is tried first (skip_gh and ``gh_plausible``)."""
     shared = V.shape[0] == 1
     for i in range(omega.shape[0]):
