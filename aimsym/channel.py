@@ -486,9 +486,8 @@ class Denoiser:
             return
         Vb = _rows(V, bad)
         prior = self._prior_domain(omega[bad], Vb)
-        fk, ft = np.asarray(self.kernels.FREE_K[:2]), np.asarray(self.kernels.FREE_T[:2])
-        shift = np.einsum("nkj,njt->nkt", np.broadcast_to(Vb, (bad.size, *Vb.shape[1:])), g[bad])[:, fk, ft]
-        off = np.hypot(shift[:, 0], shift[:, 1]) > POSTERIOR_OFF * prior[:, 2]  # E u - omega_u = (V g)_u
+        shift = self._posterior_mean_u(omega[bad], Vb, g[bad]) - prior[:, :2]
+        off = np.hypot(shift[:, 0], shift[:, 1]) > POSTERIOR_OFF * prior[:, 2]
         idx = bad[off & np.all(dom[bad] == prior, axis=1)]
         if idx.size == 0 or DOMAIN_FITS < 1:
             return
@@ -515,14 +514,23 @@ class Denoiser:
             g[grow], dg[grow], extra[grow] = self._run(obs[grow], omega[grow], _rows(V, grow), rules, dom[grow])
         return np.flatnonzero(grown)
 
+    def _u_index(self):
+        """Layer and token indices of the two free entries u of the polar models."""
+        return np.asarray(self.kernels.FREE_K[:2]), np.asarray(self.kernels.FREE_T[:2])
+
+    def _posterior_mean_u(self, omega, V, g):
+        """E[u] per sample from g_out: E[z_t] = omega_t + V g_t."""
+        fk, ft = self._u_index()
+        Vb = np.broadcast_to(V, (omega.shape[0], *V.shape[1:]))
+        return (omega + np.einsum("nkj,njt->nkt", Vb, g))[:, fk, ft]
+
     def _prior_domain(self, omega, V):
         """Polar domain per sample from the prior of u: (omega_u, its largest prior sd, POLAR_RADIUS)."""
-        k = self.kernels
         dom = np.zeros((omega.shape[0], 4))
         dom[:, 3] = POLAR_RADIUS
-        if not k.HAS_POLAR:  # (unused)
+        if not self.kernels.HAS_POLAR:  # (unused)
             return dom
-        fk, ft = np.asarray(k.FREE_K[:2]), np.asarray(k.FREE_T[:2])
+        fk, ft = self._u_index()
         dom[:, :2] = omega[:, fk, ft]
         dom[:, 2] = np.sqrt(np.maximum(V[:, fk, fk].max(axis=1), 0.0))
         return dom
@@ -534,15 +542,13 @@ class Denoiser:
         given the other entries of its token, 1/sqrt((V^-1)_uu): where the solved row w(u)
         is flat (saturated attention, where a far posterior sits) that is the posterior's
         width, and a poorly resolved first pass can report a much smaller one."""
-        k = self.kernels
-        fk, ft = np.asarray(k.FREE_K[:2]), np.asarray(k.FREE_T[:2])
+        fk, ft = self._u_index()
         Vb = np.broadcast_to(V, (omega.shape[0], *V.shape[1:]))
-        mean = omega + np.einsum("nkj,njt->nkt", Vb, g)
         cov_tt = np.einsum("nka,natbs,nbl->ntksl", Vb, dg, Vb)  # (n, T, p, T, p)
         cu = cov_tt[:, ft[:, None], fk[:, None], ft[None, :], fk[None, :]]
         cu = cu + np.where(ft[:, None] == ft[None, :], Vb[:, fk[:, None], fk[None, :]], 0.0)
         dom = np.empty((omega.shape[0], 4))
-        dom[:, :2] = mean[:, fk, ft]
+        dom[:, :2] = self._posterior_mean_u(omega, V, g)
         sd = np.sqrt(np.maximum(np.linalg.eigvalsh(0.5 * (cu + np.swapaxes(cu, 1, 2)))[:, -1], 0.0))
         cond = 1.0 / np.sqrt(np.linalg.inv(Vb)[:, fk, fk].max(axis=1))
         dom[:, 2] = np.maximum(sd, 0.5 * cond)
