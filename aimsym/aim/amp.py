@@ -27,7 +27,8 @@ Gaussian prior GAMP equals the exact finite-d Bayes estimator, ``gaussian_poster
 is the non-semicircular law of GAMP's effective noise under rank-one sensing, which the RIE
 (built for GOE noise) does not model (``prior_step_finite_size``). ``run(..., noise_law="compound")``
 uses an RIE built for that law (the compound free-Poisson law of the measured jumps,
-``compound``): on fresh noise it removes about half of that part, inside GAMP only a small one.
+``compound``); it gains only a 1/d^2 term (the law deviates from the semicircle by O(1/d) and the
+RIE is stationary in it), so it does not remove that part.
 """
 
 from __future__ import annotations
@@ -392,8 +393,9 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
     variance Delta, what the SE assumes); "compound": the centred free compound Poisson law of the
     rank-one terms (1/A) sum g.X actually present at finite d (``compound``), with the measured
     jumps (``noise_jumps``) rescaled to variance Delta; rank-one sensing only. Both laws tend to the
-    same semicircle as d -> infinity; at finite d "compound" removes the part of the 1/d excess that
-    comes from the noise law (docs/aim.md section 4).
+    same semicircle as d -> infinity; at finite d "compound" lowers the error by a 1/d^2 term only
+    (alpha = 0.1: 0.0031 at d = 100, 0.0014 at d = 150) and is unstable at alpha = 0.05, d = 100
+    (docs/aim.md section 4): an opt-in diagnostic.
     ``blas_threads``: OpenBLAS threads for the run (None leaves the setting alone); with 2 shared
     cores one thread was measured 10x faster than the default (d = 150: 0.037 vs 0.43 s CPU per
     iteration).
@@ -733,7 +735,8 @@ def prior_step_finite_size(alpha, rho, d, samples, seed=0, tokens=2):
       ``run(..., noise_law="compound")``).
 
     Returns kappa (relative excess times d over m(Delta*)) for each, the paired differences to
-    "goe", the paired gain amp - compound and the predicted AMP slope b / SE = kappa_amp / (1 - f') (``se_amplification``)."""
+    "goe", the paired gain amp - compound and the predicted AMP slope
+    b / SE = kappa_amp / (1 - f') (``se_amplification``)."""
     from . import se
     from .channels import counting_constant
 
