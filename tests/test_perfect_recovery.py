@@ -194,3 +194,24 @@ def test_phase_retrieval_algorithmic_threshold_is_a_jump_above_the_counting_boun
     pr = perfect_recovery(phase_retrieval, samples=4096)
     assert pr["counting_alpha"] == 1.0 and pr["kind"] == "jump"
     assert 1.05 < pr["alpha"] < 1.25 and pr["stderr"] < 0.03
+
+
+def test_phase_diagram_carries_the_perfect_recovery_curve(tmp_path):
+    """One softmax layer (y fixes z up to sign: m = 2, p = 1, alpha_PR = 1/2) over beta: each
+    point has the algorithmic threshold at or above the counting bound, and phase_rows turns it
+    into one more curve after the staircase."""
+    from aimsym import plot
+    from aimsym.thresholds import phase_diagram, phase_rows
+
+    pd = phase_diagram(ROOT + "attention_L1_T2.toml", "beta", [1.0, 2.0], workers=1, samples=1 << 11,
+                       staircase=False, perfect=True, pr_samples=512)
+    for pt in pd["points"]:
+        pr = pt["perfect_recovery"]
+        assert pr["counting_alpha"] == 0.5 and pr["m"] == 2
+        assert pr["alpha"] >= 0.5 - 3 * pr["stderr"]
+        assert abs(pr["trace_Pi"] - 2) < 3 * pr["trace_Pi_stderr"] + 0.02
+    rows = phase_rows(pd)
+    curve = [r for r in rows if r.get("perfect")]
+    assert len(curve) == 2 and all(r["step"] == 1 for r in curve)
+    plot.phase_diagram(rows, tmp_path / "pd.png")
+    assert (tmp_path / "pd.png").stat().st_size > 1000
