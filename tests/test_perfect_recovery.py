@@ -4,7 +4,6 @@ Q = I and the algorithmic threshold of the uninformed SE."""
 
 from __future__ import annotations
 
-from fractions import Fraction
 
 import numpy as np
 import pytest
