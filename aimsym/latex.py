@@ -341,7 +341,7 @@ def smi_section(d: Derivation) -> str:
     spec = d.spec
     out = [r"\section*{SMI form}"]
     if isinstance(spec, AttentionSpec):
-        blocks = r" \; ".join(name for name, _ in _blocks(d))
+        blocks = r" \;\allowbreak ".join(name for name, _ in _blocks(d))
         inter = _intermediates(d)
         out.append(
             f"A sequence multi-index model $y = g(Z)$ with $p = {d.p}$, $T = {d.tokens}$: "
@@ -387,8 +387,9 @@ def symmetry_section(d: Derivation) -> str:
         names = [n for n, r in blocks if set(r) <= rows]
         if len(names) == 1:
             flips.append(f"{names[0]} \\mapsto -{names[0]}")
-        else:
-            flips.append("(" + ", ".join(names) + r") \mapsto (" + ", ".join("-" + n for n in names) + ")")
+        else:  # (\allowbreak: a flip of many blocks may run over a line)
+            flips.append("(" + r",\allowbreak " .join(names) + r") \mapsto \allowbreak ("
+                         + r",\allowbreak ".join("-" + n for n in names) + ")")
     out.append("$g$ is invariant under " + ", ".join(f"${f}$" for f in dict.fromkeys(flips))
                + " (each checked at random points).")
     return "\n".join(out) + "\n"
