@@ -17,7 +17,7 @@ import re
 
 import sympy as sp
 
-from .latexutil import broken_lines, latex_program, z_name
+from .latexutil import broken_lines, latex_program, tex_width, z_name
 from .spec import AttentionSpec
 from .symbolic import Derivation, Program
 from .symbolic import param_symbol as _param
@@ -264,7 +264,12 @@ def _names(d: Derivation) -> dict:
 def _program_names(d: Derivation) -> dict:
     """The program's LaTeX names, with the logits renamed Lambda (A_l is the mixing matrix in
     the model section, as in the paper)."""
-    return {s: re.sub(r"^A\^", r"\\Lambda^", n) for s, n in d.program.latex_names.items()}
+    names = {s: re.sub(r"^A\^", r"\\Lambda^", n) for s, n in d.program.latex_names.items()}
+    if isinstance(d.spec, AttentionSpec) and d.spec.depth_limit:
+        # the flow's per-stage names carry (0-based step, stage): number steps from 1 like M^{(n)}
+        names = {s: re.sub(r"\^\{\((\d+),(\d+)\)\}", lambda m: f"^{{({int(m.group(1)) + 1},{m.group(2)})}}", n)
+                 for s, n in names.items()}
+    return names
 
 
 def model_section(d: Derivation) -> str:
@@ -316,13 +321,12 @@ def _attention_intro(d: Derivation) -> str:
     if any(ly.heads > 1 for ly in spec.layers):
         text += ("Heads: " + ("each reads a disjoint $d/H$-coordinate chunk of $x$ (same link). "
                               if spec.head_mode == "split" else "each reads all of $x$. "))
-    text += (f"Layer $l$ updates the tokens as $x^{{(l)}} = x^{{(l-1)}} A_l^\\top$ with mixing matrix "
-             f"$A_l = S_l + c_l I$ (attention $S_l$); in the indices of the input tokens "
-             f"($M_l = A_l \\cdots A_1$) the model reads")
     if L == 1 and spec.output == "attention":  # no mixing matrix: the output is the attention itself
         return text + "The model reads:"
-    if L == 1:
-        text = text.replace(" ($M_l = A_l \\cdots A_1$)", "")
+    text += (f"Layer $l$ updates the tokens as $x^{{(l)}} = x^{{(l-1)}} A_l^\\top$ with mixing matrix "
+             f"$A_l = S_l + c_l I$ (attention $S_l$)")
+    if L > 1:
+        text += "; in the indices of the input tokens ($M_l = A_l \\cdots A_1$) the model reads"
     return text + ":"
 
 
@@ -448,12 +452,37 @@ def reduction_lines(d: Derivation) -> list[str]:
         return [r"Z_{\rm out}(y;\omega,V) &= \Phi\big(y\,\omega / \sqrt V\big)"]
     # "solve": branches of an explicit inverse
     zs = [z_name(k, t, d.p, d.tokens) for k, t in red.solved]
-    du = r"\, du" if red.integral_dim else ""
+    du = (r"\, ds" if red.log_free else r"\, du") if red.integral_dim else ""
     integral = r"\int " if red.integral_dim else ""
-    return [f"{', '.join(zs)} &= {', '.join(z + '^{(i)}' for z in zs)}(y{', u' if red.integral_dim else ''}), "
-            r"\qquad i = 1, \dots, " + str(len(red.branches)),
-            r"Z_{\rm out}(y;\omega,V) &= \sum_{i} " + integral
-            + r"\mathcal N\big(Z^{(i)};\omega,V\big)\, J^{(i)}" + du]
+    out = _short_branches(d)
+    if not out:  # too long for the front: named here, written out in Appendix C
+        out = [f"{', '.join(zs)} &= {', '.join(z + '^{(i)}' for z in zs)}(y{', u' if red.integral_dim else ''}), "
+               r"\qquad i = 1, \dots, " + str(len(red.branches))]
+    return out + [r"Z_{\rm out}(y;\omega,V) &= \sum_{i} " + integral
+                  + r"\mathcal N\big(Z^{(i)};\omega,V\big)\, J^{(i)}" + du]
+
+
+def _short_branches(d: Derivation) -> list[str]:
+    """The branches of a solved scalar inverse written out, when they are short enough for the
+    front section (y = |z|: z = -y, y); [] otherwise."""
+    red = d.reduction
+    if len(red.solved) != 1:
+        return []
+    from .latexutil import _symbol_names
+
+    names = _symbol_names([e for br in red.branches for e in br], _names(d), True, d.p, d.tokens)
+    for i in red.log_free:  # the slot of a log-integrated entry carries s = log|u|
+        names[d.Z[red.free[i]]] = "s"
+    z = z_name(*red.solved[0], d.p, d.tokens)
+    sols = [sp.latex(br[0], symbol_names=names) for br in red.branches]
+    jac = [sp.latex(sp.exp(lj), symbol_names=names) for lj in red.log_jacobian]
+    if sum(tex_width(x) for x in sols + jac) > 40:
+        return []
+    line = r", \quad ".join(f"{z}^{{({i + 1})}} = {x}" for i, x in enumerate(sols))
+    js = (f"J^{{(i)}} = {jac[0]}" if len(set(jac)) == 1 else
+          r", \quad ".join(f"J^{{({i + 1})}} = {x}" for i, x in enumerate(jac)))
+    first, rest = line.split(" = ", 1)
+    return [f"{first} &= {rest}, \\qquad {js}"]
 
 
 def reduction_section(d: Derivation) -> str:
@@ -526,8 +555,10 @@ def reduction_section(d: Derivation) -> str:
     out.append(_align(reduction_lines(d)))
     if red.log_free:
         us = [free[i] for i in red.log_free]
+        half = len(red.branches) // 2
         out.append(f"The integral over ${us[0]}$ is taken in $s = \\log|{us[0]}|$ on each sign "
-                   f"(${us[0]} = \\pm e^s$, $du = |{us[0]}|\\, ds$): the solved entry has a pole at ${us[0]} = 0$.")
+                   f"(${us[0]} = e^s$ on branches $i \\le {half}$, $-e^s$ on the others; "
+                   f"$d{us[0]} = |{us[0]}|\\, ds$): the solved entry has a pole at ${us[0]} = 0$.")
     out.append(f"Then {gout}.")
     return "\n".join(out) + "\n"
 
@@ -642,6 +673,10 @@ def appendix(d: Derivation) -> str:
                    r"$S_l$ and mixing products $M_l$ (a second superscript index is the head).")
     else:
         out.append(r"The link as the code evaluates it:")
+    if isinstance(d.spec, AttentionSpec) and d.spec.depth_limit:
+        out.append(r"In the flow, a superscript $(n, k)$ is stage $k$ of Runge--Kutta step $n$ "
+                   r"($\mathrm{Y}$ the stage's argument, $\mathrm{F} = S\,\mathrm{Y}$ its slope), "
+                   r"$M^{(n)}$ the mixing product after step $n$ and $(\tau)$ the output layer.")
     out.append(_align(link_program_lines(d), small=True))
     out.append(r"\section*{Appendix B. The Jacobian $\partial g/\partial Z$}")
     out.append(r"Forward-mode chain rule through the program of Appendix A: $\partial_{z_{k,t}} X$ is the "

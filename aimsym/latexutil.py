@@ -52,14 +52,17 @@ def _symbol_names(exprs, extra: dict | None = None, one_based: bool = False,
 
 def _plain(name: str, one_based: bool = False) -> str:
     r"""An unnamed program intermediate ``_F0_1_0_0`` as ``\mathrm{F0}_{1,0,0}`` (code) or, one-based,
-    ``F^{(1)}_{1,1,1}`` (a trailing step number of the stem becomes a superscript)."""
+    ``\mathrm{F}^{(1,1)}_{11}`` (Runge-Kutta step 1, stage 1, entry (1, 1))."""
     stem, *idx = name.strip("_").split("_")
     if not one_based:
         return rf"\mathrm{{{stem}}}" + (f"_{{{','.join(idx)}}}" if idx else "")
     m = re.match(r"^([A-Za-z]+)(\d+)$", stem)
-    head = rf"\mathrm{{{m.group(1)}}}^{{({int(m.group(2)) + 1})}}" if m else rf"\mathrm{{{stem}}}"
+    if m and len(idx) == 3 and all(i.isdigit() for i in idx):
+        # a Runge-Kutta stage matrix _Y{step}_{stage}_{a}_{b} (step and entries 0-based, stage 1-based)
+        step, stage, a, b = int(m.group(2)), idx[0], int(idx[1]), int(idx[2])
+        return rf"\mathrm{{{m.group(1)}}}^{{({step + 1},{stage})}}_{{{a + 1}{b + 1}}}"
     idx = [str(int(i) + 1) if i.isdigit() else i for i in idx]
-    return head + (f"_{{{','.join(idx)}}}" if idx else "")
+    return rf"\mathrm{{{stem}}}" + (f"_{{{','.join(idx)}}}" if idx else "")
 
 
 def latex(expr, one_based: bool = False, p: int | None = None, tokens: int | None = None, **kw) -> str:
