@@ -33,6 +33,7 @@ _PREAMBLE = r"""\documentclass[11pt]{article}
 \allowdisplaybreaks
 \setlength{\parindent}{0pt}
 \setlength{\parskip}{4pt}
+\setlength{\emergencystretch}{2em}
 \begin{document}
 """
 

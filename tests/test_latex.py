@@ -3,6 +3,7 @@ documents that compile (pdflatex, where installed) without errors or lines off t
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -27,6 +28,12 @@ BUNDLED = sorted(p.stem for p in (codegen.REPO_ROOT / "derivations").glob("*.tom
 
 def _derivation(name: str):
     return aimsym.load(codegen.REPO_ROOT / "derivations" / f"{name}.toml").derivation
+
+
+@functools.lru_cache(maxsize=None)
+def _document(name: str) -> str:
+    """The full document of a bundled model (rendered once: two tests read it)."""
+    return document(_derivation(name))
 
 
 def _fresh():
@@ -64,7 +71,7 @@ def test_three_layers_and_parameters_follow_the_spec():
 @pytest.mark.parametrize("name", BUNDLED)
 def test_printer_leaves_no_artefacts(name):
     """No /1 or 1\\, from a unit beta, no escaped code in prose, one index convention (1-based)."""
-    text = document(_derivation(name))
+    text = _document(name)
     body = text.split(r"\end{center}", 1)[1]  # past the title, which names the file
     assert "/1 " not in body and "/1$" not in body and not re.search(r"(?<![0-9.{])1\\,", body)
     for code in (r"\_", r"\textasciicircum", r"\textbackslash", "->", "<="):
@@ -147,7 +154,7 @@ def _overfull(log: str) -> list[float]:
 @pytest.mark.skipif(_PDFLATEX is None, reason="no pdflatex on this machine")
 @pytest.mark.parametrize("name", BUNDLED)
 def test_bundled_derivation_compiles(name, tmp_path):
-    log = _compile(document(_derivation(name)), tmp_path, name)
+    log = _compile(_document(name), tmp_path, name)
     assert all(w < _MARGIN_PT for w in _overfull(log)), _overfull(log)
 
 
