@@ -225,7 +225,7 @@ def model_lines(d: Derivation) -> list[str]:
 def _noise_lines(d: Derivation) -> list[str]:
     if param_symbol(d.spec.noise) == 0:
         return []
-    return [rf"y_{{\rm obs}} &= y + \sqrt{{{_tex(d.spec.noise)}}}\, \xi, \qquad \xi_{{ab}} \sim \mathcal N(0, 1)"]
+    return [rf"y_{{\rm obs}} &= y + \sqrt{{{_tex(d.spec.noise)}}}\, \xi, \qquad \xi \sim \mathcal N(0, I)"]
 
 
 def _smi_model_lines(d: Derivation) -> list[str]:
@@ -404,8 +404,9 @@ def symmetry_section(d: Derivation) -> str:
 
 _GOUT = (r"g_{\rm out} = V^{-1}\big(\mathbb E[Z \mid y] - \omega\big)",
          r"\partial_\omega g_{\rm out} = V^{-1}{\rm Cov}(Z_{\cdot t}, Z_{\cdot s} \mid y)\, V^{-1} - \delta_{ts} V^{-1}")
-_GAUSS = (r"$\mathcal N(Z;\omega,V) = \prod_{t=1}^{T} \mathcal N(Z_{\cdot t};\omega_{\cdot t},V)$ "
-          r"(tokens independent, $V \in \mathbb R^{p\times p}$)")
+_GAUSS_T = (r"$\mathcal N(Z;\omega,V) = \prod_{t=1}^{T} \mathcal N(Z_{\cdot t};\omega_{\cdot t},V)$ "
+            r"(tokens independent, $V \in \mathbb R^{p\times p}$)")
+_GAUSS_1 = r"$\mathcal N(Z;\omega,V)$ the Gaussian density of $Z$ with mean $\omega$ and covariance $V$"
 
 
 def _inverse_map_lines(red) -> list[str]:
@@ -490,11 +491,16 @@ def reduction_section(d: Derivation) -> str:
     red = d.reduction
     out = [r"\section*{Reduction of the denoiser}"]
     gout = f"${_GOUT[0]}$ and ${_GOUT[1]}$"
+    _GAUSS = _GAUSS_T if d.tokens > 1 else _GAUSS_1
     if red is None:
         reason = d.reduction_reason
         reason = reason[len("no exact reduction: "):] if reason.startswith("no exact reduction: ") else reason
-        out.append(f"No exact reduction: {_prose(reason)}. The denoiser integrates the noisy channel "
-                   f"(output noise of variance $\\Delta > 0$) over all of $Z$, with {_GAUSS}:")
+        if reason.startswith("noisy channel"):  # a noisy output is integrated as it is: no reason to give
+            out.append(f"The output is observed with noise of variance $\\Delta$; the denoiser integrates "
+                       f"the noisy channel over all of $Z$, with {_GAUSS}:")
+        else:
+            out.append(f"No exact reduction: {_prose(reason)}. The denoiser integrates the noisy channel "
+                       f"(output noise of variance $\\Delta > 0$) over all of $Z$, with {_GAUSS}:")
         out.append(_align(reduction_lines(d)))
         out.append(f"and {gout}.")
         return "\n".join(out) + "\n"
@@ -636,15 +642,15 @@ def reduction_detail_lines(d: Derivation, width: float = _WIDTH_SMALL) -> list[s
         T = mix.shape[0]
         named += [(f"(M_{{{L - 1}}})_{{{a + 1}{b + 1}}}", mix[a, b]) for a in range(T) for b in range(T)]
         det = sp.Symbol("_detM", real=True)
-        prog.latex_names[det] = rf"D"
+        prog.latex_names[det] = "D"
         named.append((f"D = \\det M_{{{L - 1}}}", red.det_mixing))
     sub = {red.det_mixing: det} if det is not None else {}
     if red.kind == "attention-rank1":
         for i, br in enumerate(red.branches):
             for (k, t), e in zip(red.solved, br):
                 named.append((f"{z_name(k, t, d.p, d.tokens)}^{{({'+-'[i]})}}", e.xreplace(sub)))
-        if det is not None:
-            named.append((r"\log J", red.log_jacobian[0].xreplace(sub)))
+        if det is not None:  # log J = -log|det M_{L-1}| on both branches (symbolic._attention_reduction)
+            named.append((r"\log J", -sp.log(sp.Abs(det))))
     elif red.branches:
         for i, br in enumerate(red.branches):
             for (k, t), e in zip(red.solved, br):
