@@ -49,7 +49,7 @@ def _derive(args) -> int:
     if args.latex:
         from aimsym.latex import document, part
 
-        text = part(d, args.latex_part) if args.latex_part else document(d, appendix_=not args.no_appendix)
+        text = part(d, args.latex_part) if args.latex_part else document(d, appendix=not args.no_appendix)
         Path(args.latex).parent.mkdir(parents=True, exist_ok=True)
         Path(args.latex).write_text(text)
         summary["latex"] = str(args.latex)

@@ -27,6 +27,7 @@ def param_symbol(v) -> sp.Expr:
     """A spec value (number or name) or an already symbolic one as a SymPy expression."""
     return v if isinstance(v, sp.Basic) else _param(v)
 
+
 _PREAMBLE = r"""\documentclass[11pt]{article}
 \usepackage{amsmath,amssymb}
 \usepackage[margin=2cm]{geometry}
@@ -123,7 +124,7 @@ def _activation(act: str, beta, inner: str) -> str:
 
 def _block_name(spec: AttentionSpec, layer: int, head: int, role: str) -> str:
     """Index block of one weight matrix: z_l, z_{l,j} (head j), with ^Q / ^K if untied."""
-    H = 1 if spec.depth_limit else spec.layers[layer - 1].heads
+    H = spec.layers[layer - 1].heads
     base = f"z_{{{layer}}}" if H == 1 else f"z_{{{layer},{head + 1}}}"
     return base if role == "w" else f"{base}^{role.upper()}"
 
@@ -324,8 +325,8 @@ def _attention_intro(d: Derivation) -> str:
                               if spec.head_mode == "split" else "each reads all of $x$. "))
     if L == 1 and spec.output == "attention":  # no mixing matrix: the output is the attention itself
         return text + "The model reads:"
-    text += (f"Layer $l$ updates the tokens as $x^{{(l)}} = x^{{(l-1)}} A_l^\\top$ with mixing matrix "
-             f"$A_l = S_l + c_l I$ (attention $S_l$)")
+    text += (r"Layer $l$ updates the tokens as $x^{(l)} = x^{(l-1)} A_l^\top$ with mixing matrix "
+             r"$A_l = S_l + c_l I$ (attention $S_l$)")
     if L > 1:
         text += "; in the indices of the input tokens ($M_l = A_l \\cdots A_1$) the model reads"
     return text + ":"
@@ -672,7 +673,7 @@ def _renamed(program, names: dict) -> Program:
     return prog
 
 
-def appendix(d: Derivation) -> str:
+def appendix_section(d: Derivation) -> str:
     out = [r"\clearpage", r"\section*{Appendix A. The link as a straight-line program}"]
     if isinstance(d.spec, AttentionSpec):
         out.append(r"The code evaluates $g$ through these named intermediates; $X^{(l)}_{ab}$ is entry $(a, b)$ of "
@@ -721,10 +722,12 @@ def front(d: Derivation) -> str:
     return "\n".join([model_section(d), smi_section(d), symmetry_section(d), reduction_section(d)])
 
 
-def document(d: Derivation, appendix_: bool = True) -> str:
+def document(d: Derivation, appendix: bool = True) -> str:
+    """The self-contained LaTeX document: front section, then (unless ``appendix=False``) the
+    program, the Jacobian and the reduction entry by entry."""
     parts = [_PREAMBLE, _title(d), front(d)]
-    if appendix_:
-        parts.append(appendix(d))
+    if appendix:
+        parts.append(appendix_section(d))
     parts.append("\\end{document}\n")
     return "\n".join(parts)
 

@@ -88,7 +88,7 @@ def test_symbolic_beta_is_printed_where_it_acts():
 
 def test_appendix_holds_the_program_and_can_be_left_out(tmp_path):
     d = _derivation("attention_L2_T2")
-    full, short = document(d), document(d, appendix_=False)
+    full, short = document(d), document(d, appendix=False)
     assert "Appendix A" in full and r"\partial_{z_{1,1}}" in full and r"S^{(2)}_{11}" in full
     assert "Appendix" not in short and r"\partial_{z" not in short and len(short) < len(full) / 3
     # the Jacobian section does not repeat the link's program
@@ -160,9 +160,9 @@ def test_bundled_derivation_compiles(name, tmp_path):
 
 @pytest.mark.skipif(_PDFLATEX is None, reason="no pdflatex on this machine")
 def test_two_layer_front_fits_one_page_and_fresh_model_compiles(tmp_path):
-    log = _compile(document(_derivation("attention_L2_T2"), appendix_=False), tmp_path, "L2")
+    log = _compile(document(_derivation("attention_L2_T2"), appendix=False), tmp_path, "L2")
     assert re.search(r"Output written on L2\.pdf \(1 page", log) and not _overfull(log)
-    log = _compile(document(_fresh(), appendix_=False), tmp_path, "fresh")
+    log = _compile(document(_fresh(), appendix=False), tmp_path, "fresh")
     assert not _overfull(log)
     # the pasteable parts compile inside a bare document
     d = _derivation("attention_L2_T2")
