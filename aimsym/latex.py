@@ -123,10 +123,12 @@ def _activation(act: str, beta, inner: str) -> str:
 
 
 def _block_name(spec: AttentionSpec, layer: int, head: int, role: str) -> str:
-    """Index block of one weight matrix: z_l, z_{l,j} (head j), with ^Q / ^K if untied."""
+    """Index block of one weight matrix: z_l, z_l^{(j)} (head j), z_l^Q, z_l^{K(j)} (untied).
+
+    Heads and roles go upstairs: a subscript pair z_{k,t} is an entry of Z (row k, token t)."""
     H = spec.layers[layer - 1].heads
-    base = f"z_{{{layer}}}" if H == 1 else f"z_{{{layer},{head + 1}}}"
-    return base if role == "w" else f"{base}^{role.upper()}"
+    sup = ("" if role == "w" else role.upper()) + ("" if H == 1 else f"({head + 1})")
+    return f"z_{{{layer}}}" + (f"^{{{sup}}}" if sup else "")
 
 
 def _blocks(d: Derivation) -> list[tuple[str, list[int]]]:
@@ -155,20 +157,21 @@ def _heads_term(spec: AttentionSpec, l: int, layer, mix: str | None) -> tuple[li
     L = len(spec.layers)
     lines, terms = [], []
     for j in range(layer.heads):
-        sub = f"{l}" if layer.heads == 1 else f"{l},{j + 1}"
+        # layer (and head) upstairs: h_a is an entry of h in the reduction section
+        sup = f"({l})" if layer.heads == 1 else f"({l},{j + 1})"
         if layer.tied:
             z = _block_name(spec, l, j, "w")
             if mix is None:
                 q = k = z
             else:
-                q = k = "h" if (l == L and layer.heads == 1) else f"h_{{{sub}}}"
+                q = k = "h" if (l == L and layer.heads == 1) else f"h^{{{sup}}}"
                 lines.append(f"{q}{'(M)' if spec.depth_limit else ''} &= {mix}\\, {z}")
         else:
             zq, zk = _block_name(spec, l, j, "q"), _block_name(spec, l, j, "k")
             if mix is None:
                 q, k = zq, zk
             else:
-                q, k = f"q_{{{sub}}}", f"k_{{{sub}}}"
+                q, k = f"q^{{{sup}}}", f"k^{{{sup}}}"
                 arg = "(M)" if spec.depth_limit else ""
                 lines.append(f"{q}{arg} &= {mix}\\, {zq}, \\quad {k}{arg} = {mix}\\, {zk}")
         kt = f"{{{k}}}^\\top" if "^" in k else f"{k}^\\top"  # (z^K)^T without a double superscript
@@ -287,7 +290,7 @@ def model_section(d: Derivation) -> str:
         if "hardmax" in acts:
             defs.append(r"$\operatorname{hardmax}(X)_{ab} = \mathbf 1[b = \arg\max_{b'} X_{ab'}]$")
         if defs:
-            out.append(" and ".join(defs) + " act on rows.")
+            out.append(" and ".join(defs) + (" act" if len(defs) > 1 else " acts") + " on rows.")
         if spec.depth_limit:
             out.append(
                 f"Large-depth limit: one layer's weights are shared across $L$ layers with skip $L/{_tex(spec.tau)}$ "

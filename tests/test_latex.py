@@ -58,13 +58,13 @@ def test_three_layers_and_parameters_follow_the_spec():
     a symbolic beta and numeric skips print as factors, a unit one does not."""
     text = front(_derivation("attention_L3_T2"))
     assert r"M_{2} &= A_{2}\, A_{1}" in text and r"h &= M_{2}\, z_{3}" in text
-    assert r"A_{2}(z_{1}, z_{2}) &= \operatorname{softmax}\big(h_{2} h_{2}^\top\big) + c\, I" in text
+    assert r"A_{2}(z_{1}, z_{2}) &= \operatorname{softmax}\big(h^{(2)} {h^{(2)}}^\top\big) + c\, I" in text
     d = derive(S.make_attention(tokens=2, layers=2, skip=[0.5, 1.0], beta="beta", activation=["linear", "softmax"]))
     text = front(d)
     assert r"A_{1}(z_{1}) &= \beta\, z_{1} z_{1}^\top + \frac{1}{2}\, I" in text
     assert r"y &= \operatorname{softmax}\big(\beta\, h h^\top\big)" in text
     text = front(_fresh())
-    assert r"q_{3,2} &= M_{2}\, z_{3,2}^Q, \quad k_{3,2} = M_{2}\, z_{3,2}^K" in text
+    assert r"q^{(3,2)} &= M_{2}\, z_{3}^{Q(2)}, \quad k^{(3,2)} = M_{2}\, z_{3}^{K(2)}" in text
     assert r"\frac{1}{2}\Big(" in text and "No exact reduction" in text
 
 
