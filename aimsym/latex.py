@@ -629,8 +629,19 @@ def jacobian_lines(d: Derivation, width: float = _WIDTH_SMALL) -> list[str]:
                     named.append((f"\\frac{{\\partial {y}}}{{\\partial {z_name(k, t, d.p, d.tokens)}}}", e))
     prog = _renamed(d.program, _program_names(d))
     prog.defs = d.program.defs + defs
-    return latex_program(prog, named, 30000, one_based=True, p=d.p, tokens=d.tokens, width=width,
-                         skip={s for s, _ in d.program.defs})
+    skip = {s for s, _ in d.program.defs}
+    # attention links: y_ab is the intermediate S^{(L)}_ab, so its derivatives are those of the
+    # intermediate; one line with generic indices says so instead of one alias line per entry
+    link = list(d.link)
+    alias = all(isinstance(g, sp.Symbol) and g.name.startswith("_") for g in link) and all(
+        e == 0 or (isinstance(e, sp.Symbol) and e.name == f"_d{link[j // (d.p * d.tokens)].name}__{j % (d.p * d.tokens)}")
+        for j, e in enumerate(x for row in J for x in row))
+    lines = latex_program(prog, named, 30000, one_based=True, p=d.p, tokens=d.tokens, width=width, skip=skip)
+    generic = re.sub(r"_\{11\}$", "_{ab}", _program_names(d).get(link[0], ""))
+    if alias and rows * cols > 1 and generic.endswith("_{ab}"):
+        lines = [ln for ln in lines if not ln.startswith(r"\frac{\partial y_")]
+        lines.append(rf"\frac{{\partial y_{{ab}}}}{{\partial z_{{k,t}}}} &= \partial_{{z_{{k,t}}}} {generic}")
+    return lines
 
 
 def reduction_detail_lines(d: Derivation, width: float = _WIDTH_SMALL) -> list[str]:

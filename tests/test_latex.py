@@ -76,6 +76,7 @@ def test_printer_leaves_no_artefacts(name):
     assert "/1 " not in body and "/1$" not in body and not re.search(r"(?<![0-9.{])1\\,", body)
     for code in (r"\_", r"\textasciicircum", r"\textbackslash", "->", "<="):
         assert code not in body, code
+    assert not re.search(r"[\x00-\x08\x0b-\x1f]", text)  # e.g. "\f" of a non-raw "\frac"
     for zero_based in ("z_{0", "h_{0", "y_{0", r"\partial_{0}", "V_{00}", r"\ell_{0"):
         assert zero_based not in body, zero_based
 
@@ -93,6 +94,8 @@ def test_appendix_holds_the_program_and_can_be_left_out(tmp_path):
     assert "Appendix" not in short and r"\partial_{z" not in short and len(short) < len(full) / 3
     # the Jacobian section does not repeat the link's program
     jac = full[full.index("Appendix B"):full.index("Appendix C")]
+    assert jac.count(r"\frac{\partial y_") == 1  # one line with generic indices, not one per entry
+    assert r"\frac{\partial y_{ab}}{\partial z_{k,t}} &= \partial_{z_{k,t}} S^{(2)}_{ab}" in jac
     assert "\nS^{(1)}_{11} &=" not in jac and "\nS^{(1)}_{11} &=" in full and r"\partial_{z_{1,1}}S^{(1)}_{11} &=" in jac
     tex = tmp_path / "L2.tex"
     r = run_cli("derive", str(codegen.REPO_ROOT / "derivations" / "attention_L2_T2.toml"), "--latex", str(tex),
