@@ -676,8 +676,9 @@ def reduction_detail_lines(d: Derivation, width: float = _WIDTH_SMALL) -> list[s
             prog.latex_names[d.Z[k, t]] = "s"
     if det is not None:
         prog.defs = prog.defs + [(det, red.det_mixing)]
-    return latex_program(prog, named, one_based=True, p=d.p, tokens=d.tokens, width=width,
-                         skip={det} if det is not None else None)
+    # the link's intermediates are printed in Appendix A already
+    skip = {s for s, _ in d.program.closure(list(d.link))} | ({det} if det is not None else set())
+    return latex_program(prog, named, one_based=True, p=d.p, tokens=d.tokens, width=width, skip=skip)
 
 
 def _renamed(program, names: dict) -> Program:
@@ -709,8 +710,8 @@ def appendix_section(d: Derivation) -> str:
     detail = reduction_detail_lines(d)
     if detail:
         out.append(r"\section*{Appendix C. The reduction entry by entry}")
-        out.append(r"Solved entries on each branch (superscript) and the log of the weight factor, in the "
-                   r"intermediates of Appendix A.")
+        out.append(r"Solved entries on each branch (superscript) and the log of the weight factor, in terms "
+                   r"of the intermediates of Appendix A.")
         out.append(_align(detail, small=True))
     return "\n".join(out) + "\n"
 

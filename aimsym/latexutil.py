@@ -30,6 +30,8 @@ def _symbol_names(exprs, extra: dict | None = None, one_based: bool = False,
     for e in exprs:
         for s in e.free_symbols:
             m = _Z.match(s.name)
+            if s in names:  # named by the caller (e.g. a log-integrated index printed as s)
+                continue
             if m:
                 k, t = int(m.group(1)), int(m.group(2))
                 names[s] = z_name(k, t, p, tokens) if one_based else f"z_{{{k},{t}}}"
