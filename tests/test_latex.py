@@ -173,3 +173,26 @@ def test_two_layer_front_fits_one_page_and_fresh_model_compiles(tmp_path):
     log = _compile("\\documentclass{article}\n\\usepackage{amsmath,amssymb}\n\\usepackage[margin=2cm]{geometry}\n"
                    "\\allowdisplaybreaks\n\\begin{document}\n" + body + "\\end{document}\n", tmp_path, "parts")
     assert all(w < _MARGIN_PT for w in _overfull(log))
+
+
+_CORNERS = {
+    "tokens_noise": dict(tokens=2, layers=2, output="tokens", skip="c", noise="Delta"),
+    "rank2": dict(tokens=3, layers=2, rank=[2, 1], skip=0.5),
+    "split_readout": dict(tokens=2, layers=2, heads=[2, 1], head_mode="split", readout=[[0.3, 0.7], [1.0]]),
+    "linear": dict(tokens=2, layers=2, activation="linear", beta="beta"),
+}
+
+
+@pytest.mark.skipif(_PDFLATEX is None, reason="no pdflatex on this machine")
+@pytest.mark.parametrize("corner", sorted(_CORNERS))
+def test_front_of_declared_corner_cases_compiles(corner, tmp_path):
+    """Spec features no bundled model has (sequence output with noise, rank two, head readout
+    weights, linear attention) print and compile."""
+    d = derive(S.make_attention(name=corner, **_CORNERS[corner]))
+    text = document(d, appendix=False)
+    assert r"\_" not in text.split(r"\end{center}", 1)[1]
+    log = _compile(text, tmp_path, corner)
+    assert not _overfull(log)
+    expect = {"tokens_noise": r"y &= M_{2}", "rank2": r"\mathbb R^{T\times r_l}",
+              "split_readout": r"\frac{3}{10}\, \operatorname{softmax}", "linear": r"y &= \beta\, h h^\top"}
+    assert expect[corner] in text
