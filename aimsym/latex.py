@@ -363,7 +363,7 @@ def smi_section(d: Derivation) -> str:
         shape = "\\times".join(map(str, d.output_shape))
         out.append(f"$y = g(Z)$ with $Z \\in \\mathbb R^{{{d.p}\\times {d.tokens}}}$, "
                    + (f"$y \\in \\mathbb R^{{{shape}}}$." if shape else "$y \\in \\mathbb R$."))
-    out += counting_lines(d)
+    out += counting_lines(d)  # the counting result (m, alpha_PR) joins the SMI form here
     return "\n".join(out) + "\n"
 
 
@@ -371,7 +371,7 @@ def _intermediates(d: Derivation) -> str:
     """The names the model section defines (A_1, h, M_2, ...), in order."""
     names = []
     for ln in model_lines(d):
-        for eq in ln.split(r"\quad "):  # "q_2 &= A_1 z_2^Q, \quad k_2 = A_1 z_2^K"
+        for eq in ln.split(r"\quad "):  # "q^{(2)} &= A_1 z_2^Q, \quad k^{(2)} = A_1 z_2^K"
             lhs = re.sub(r"\(.*\)$", "", eq.split("=")[0].replace("&", "").strip())
             if lhs and lhs not in ("y", r"y_{\rm obs}") and "=" in eq and not lhs.startswith("\\"):
                 names.append(f"${lhs}$")
