@@ -339,11 +339,21 @@ def _attention_intro(d: Derivation) -> str:
 
 
 def counting_lines(d: Derivation) -> list[str]:
-    """Sentences of the counting result for the SMI-form section.
-
-    This is the place for the counting line (m = generic rank of dy/dZ, alpha_PR = p/m) once
-    the derivation carries it; until then it adds nothing."""
-    return []
+    """The counting bound of perfect recovery (theory section 4), one sentence: m = generic rank
+    of dy/dZ and alpha_PR = p/m, or why there is none."""
+    c = d.counting
+    m = c["m"]
+    if m is None:
+        return [r"Counting: the generic rank of $\partial y/\partial Z$ was not determined."]
+    head = rf"Counting: $m = \operatorname{{rank}} \partial y/\partial Z = {m}$"
+    if m == 0:
+        return [head + r" (discrete output): never recovered perfectly."]
+    if c["alpha_pr"] is None:
+        return [head + r"; with output noise there is no perfect recovery."]
+    tail = rf"; perfect recovery needs $\alpha \ge \alpha_{{\rm PR}} = p/m = {sp.latex(sp.Rational(d.p, m))}$"
+    if isinstance(d.spec.noise, str):
+        tail += rf" (at ${sp.latex(sp.Symbol(d.spec.noise))} = 0$)"
+    return [head + tail + "."]
 
 
 def smi_section(d: Derivation) -> str:

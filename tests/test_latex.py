@@ -196,3 +196,14 @@ def test_front_of_declared_corner_cases_compiles(corner, tmp_path):
     expect = {"tokens_noise": r"y &= M_{2}", "rank2": r"\mathbb R^{T\times r_l}",
               "split_readout": r"\frac{3}{10}\, \operatorname{softmax}", "linear": r"y &= \beta\, h h^\top"}
     assert expect[corner] in text
+
+
+@pytest.mark.parametrize("name, text", [
+    ("attention_L2_T2", r"\alpha_{\rm PR} = p/m = 1$"),
+    ("attention_L2_T3", r"\alpha_{\rm PR} = p/m = \frac{2}{3}$"),
+    ("glm_sign", "never recovered perfectly"),
+])
+def test_front_states_the_counting_bound(name, text):
+    """The SMI-form section states m and alpha_PR = p/m from the derivation's counting rank."""
+    doc = document(_derivation(name), appendix=False)
+    assert "Counting: $m = " in doc and text in doc
