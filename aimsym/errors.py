@@ -19,3 +19,11 @@ class SpecError(AimsymError):
 
 class ChannelError(AimsymError):
     """Denoiser input off the model's output manifold or otherwise unusable."""
+
+
+class AimsymWarning(UserWarning):
+    """A result that may mislead if unnoticed; the CLI prints it as one ``aimsym: warning:`` line."""
+
+
+class ConvergenceWarning(AimsymWarning):
+    """An iteration (SE, AMP) stopped at its iteration limit before meeting its tolerance."""

@@ -51,6 +51,7 @@ class Model:
     def with_values(self, **values) -> "Model":
         merged = dict(self.values)
         merged.update(spec_mod.resolve_values(self.spec, values))
+        spec_mod.check_values(self.spec, merged)
         return Model(self.spec, tuple(sorted(merged.items())))
 
     # ------------------------------------------------------------------ stages
