@@ -299,6 +299,12 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
         raise AimsymError("damping", f"must be in [0, 1), got {damping!r}")
     if side_info < 0:
         raise AimsymError("side_info", f"must be >= 0, got {side_info!r}")
+    if not (np.isfinite(tol) and tol > 0):
+        raise AimsymError("tol", f"must be a finite number > 0, got {tol!r}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int | np.integer) or max_iter < 1:
+        raise AimsymError("max_iter", f"must be an integer >= 1, got {max_iter!r}")
+    if isinstance(seed, int | np.integer) and seed < 0:
+        raise AimsymError("seed", f"must be an integer >= 0, got {seed!r}")
     t0 = time.perf_counter()
     p = model.p
     ch = channel or make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
@@ -321,6 +327,14 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
         Q, n_it, converged = _reseed(ch, Q, alpha, Lam, mask, damping, tol, max_iter - it, history, anderson,
                                      init_eps, converged)
         it += n_it
+    if stop is None and not converged:
+        import warnings
+
+        from .errors import ConvergenceWarning
+
+        warnings.warn(ConvergenceWarning(
+            f"SE at alpha = {alpha:g} stopped at max_iter = {max_iter} before reaching tol = {tol:g} "
+            "(converged = false): the overlaps are not a fixed point; raise max_iter or samples"), stacklevel=2)
     Q_hat_r, psi_r = se_map(ch, Q, alpha)
     Q_hat_r = Q_hat_r * mask
     Q_hat, Q_hat_se = mean_and_stderr(Q_hat_r)

@@ -20,13 +20,14 @@ import math
 import multiprocessing
 import sqlite3
 import time
+import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
 
 import numpy as np
 
-from .errors import AimsymError
+from .errors import AimsymError, ConvergenceWarning
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS points (
     key TEXT PRIMARY KEY, model_hash TEXT, params TEXT, alpha REAL, init TEXT, record TEXT)"""
@@ -144,7 +145,9 @@ def run_point(text: str, name: str, params: dict, alpha: float, init: str, opts:
     model = _worker_model(text, name, pj)
     ch = _worker_channel(text, name, pj, oj)
     start = init if prev is None or init == "informed" else np.maximum(np.asarray(prev), 1e-4 * np.eye(model.p))
-    res = state_evolution(model, alpha, init=start, channel=ch, seed=opts["seed"], tol=opts["tol"])
+    with warnings.catch_warnings():  # (the client counts the points that did not converge)
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        res = state_evolution(model, alpha, init=start, channel=ch, seed=opts["seed"], tol=opts["tol"])
     rec = res.to_dict()
     rec["init"] = init
     rec["params"] = params
