@@ -249,6 +249,8 @@ def run_sweep(model_path, alphas, *, params: dict | None = None, inits=("uninfor
     models = [aimsym.load(spec, **p) for p in combos]
     for m in models:
         m.params_array()  # every symbolic parameter has a value
+    if progress:
+        models[0].compile_notice()
     keys_of = {(i, init): [point_key(m.hash(), a, init, opts) for a in alphas]
                for i, m in enumerate(models) for init in inits}
     stored = finished(store, [k for ks in keys_of.values() for k in ks])
@@ -265,11 +267,18 @@ def run_sweep(model_path, alphas, *, params: dict | None = None, inits=("uninfor
             n = _run_serial(chains, text, name, opts, store, bar)
         else:
             # spawn, not fork: numba's OpenMP threading layer does not survive fork
-            with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+            with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_quiet_worker) as ex:
                 n = _run_pool(ex, chains, text, name, opts, store, bar)
     finally:
         bar.close()  # (also on errors: a message then starts on a fresh line)
     return n
+
+
+def _quiet_worker() -> None:
+    from . import model
+
+    model.COMPILE_NOTICE = False  # (the client has said it once)
 
 
 def _store_result(store, chain, row) -> None:
