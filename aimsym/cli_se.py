@@ -143,7 +143,7 @@ def cmd_phase_diagram(args) -> int:
     if args.set:
         raise AimsymError("--set", "not supported together with --over (one swept parameter)")
     load_model(args)  # checks the file
-    values = parse_grid(grid)
+    values = parse_grid(grid, "--over")
     pd = phase_diagram(args.model, name.strip(), values, workers=args.workers, progress=not args.json,
                        samples=args.samples, replicas=args.replicas, stair_samples=args.stair_samples,
                        se_samples=args.se_samples, seed=args.seed, nodes=args.nodes,
