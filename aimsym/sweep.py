@@ -43,13 +43,8 @@ def _connect(path, *, create: bool = True):
     path = Path(path)
     if not create and not path.is_file():
         raise _store_error(path, "no such file")
-    if path.is_dir():
-        raise _store_error(path, "is a folder; give a file name such as sweep.sqlite")
-    if create and not path.parent.is_dir():
-        try:  # a typo in a folder name should not cost the sweep: create it, as --out does
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise _store_error(path, f"cannot create its folder ({exc.strerror})") from None
+    if create:
+        _make_folder(path)
     try:
         con = sqlite3.connect(str(path), timeout=60)
         cols = [r[1] for r in con.execute("PRAGMA table_info(points)")]
@@ -73,6 +68,17 @@ def _connect(path, *, create: bool = True):
     return con
 
 
+def _make_folder(path) -> None:
+    path = Path(path)
+    if path.is_dir():
+        raise _store_error(path, "is a folder; give a file name such as sweep.sqlite")
+    if not path.parent.is_dir():
+        try:  # a typo in a folder name should not cost the sweep: create it, as --out does
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _store_error(path, f"cannot create its folder ({exc.strerror})") from None
+
+
 def point_key(model_hash, alpha, init, opts) -> str:
     return json.dumps([model_hash, round(float(alpha), 12), init, opts], sort_keys=True)
 
@@ -90,6 +96,9 @@ def _decode(record):
 def finished(path, keys) -> dict:
     """Stored, readable records among ``keys``."""
     keys = set(keys)
+    if not Path(path).exists():  # (created by the first stored point: a failed start leaves no file)
+        _make_folder(path)
+        return {}
     con = _connect(path)
     try:
         rows = con.execute("SELECT key, record FROM points").fetchall()
@@ -257,12 +266,13 @@ def run_sweep(model_path, alphas, *, params: dict | None = None, inits=("uninfor
     done = {k: np.array(r["Q"]) for k, r in stored.items()}
     chains = [_Chain(combos[i], init, alphas, ks, done) for (i, init), ks in keys_of.items()]
     total = sum(len(c.keys) for c in chains)
+    client, own_client = _dask_client(scheduler) if scheduler else (None, False)
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, initial=len(stored), desc="SE points", unit="pt", disable=not progress)
     try:
-        if scheduler:
-            n = _run_dask(scheduler, chains, text, name, opts, store, bar)
+        if client is not None:
+            n = _run_dask(client, chains, text, name, opts, store, bar)
         elif workers == 1 or len(chains) == 1 and workers is None:
             n = _run_serial(chains, text, name, opts, store, bar)
         else:
@@ -272,6 +282,8 @@ def run_sweep(model_path, alphas, *, params: dict | None = None, inits=("uninfor
                 n = _run_pool(ex, chains, text, name, opts, store, bar)
     finally:
         bar.close()  # (also on errors: a message then starts on a fresh line)
+        if own_client:
+            client.close()
     return n
 
 
@@ -322,44 +334,43 @@ def _run_pool(ex, chains, text, name, opts, store, bar) -> int:
     return n
 
 
-def _run_dask(scheduler, chains, text, name, opts, store, bar) -> int:
+def _dask_client(scheduler):
+    """(client, owned): a Dask client for an address (connected here, before any work) or as given."""
+    if hasattr(scheduler, "submit"):
+        return scheduler, False
     try:
-        from dask.distributed import Client, as_completed
+        from dask.distributed import Client
     except ImportError:
         raise AimsymError("--scheduler", "needs the dask extra: pip install 'aimsym[dask]'") from None
-    own = not hasattr(scheduler, "submit")
-    if own:
-        try:
-            client = Client(scheduler, timeout="20s")
-        except (OSError, TimeoutError, ValueError) as exc:
-            raise AimsymError("--scheduler", f"cannot reach the Dask scheduler at {scheduler!r} ({exc}); "
-                                             "expected an address such as tcp://HOST:8786") from None
-    else:
-        client = scheduler
+    try:
+        return Client(scheduler, timeout="20s"), True
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise AimsymError("--scheduler", f"cannot reach the Dask scheduler at {scheduler!r} ({exc}); "
+                                         "expected an address such as tcp://HOST:8786") from None
+
+
+def _run_dask(client, chains, text, name, opts, store, bar) -> int:
+    from dask.distributed import as_completed
 
     def submit(fn, *a):
         return client.submit(fn, *a, pure=False)
 
-    try:
-        owner, first = {}, []
-        for c in chains:
-            if (f := _submit(submit, c, text, name, opts)) is not None:
-                owner[f.key] = c
-                first.append(f)
-        n = 0
-        queue = as_completed(first)
-        for f in queue:  # the client alone writes the store, as each point comes back
-            c = owner.pop(f.key)
-            _store_result(store, c, f.result())
-            n += 1
-            bar.update()
-            if (g := _submit(submit, c, text, name, opts)) is not None:
-                owner[g.key] = c
-                queue.add(g)
-        return n
-    finally:
-        if own:
-            client.close()
+    owner, first = {}, []
+    for c in chains:
+        if (f := _submit(submit, c, text, name, opts)) is not None:
+            owner[f.key] = c
+            first.append(f)
+    n = 0
+    queue = as_completed(first)
+    for f in queue:  # the client alone writes the store, as each point comes back
+        c = owner.pop(f.key)
+        _store_result(store, c, f.result())
+        n += 1
+        bar.update()
+        if (g := _submit(submit, c, text, name, opts)) is not None:
+            owner[g.key] = c
+            queue.add(g)
+    return n
 
 
 # ----------------------------------------------------------------------------- reading
