@@ -41,6 +41,8 @@ def _bad_inputs(tmp_path):
         (["thresholds", GC, "--set", "Delta=1", "--seed", "-5"], "--seed: must be an integer >= 0"),
         (["amp", GC, "--set", "Delta=1", "--seed", "-5"], "--seed: must be an integer >= 0"),
         (sw + ["--set", "Delta=1", "--seed", "-5"], "--seed: must be an integer >= 0"),
+        (["aim", "amp", "--seeds=-5", "--d", "10"], "--seeds: seeds are integers >= 0"),
+        (["erm", "train", "--alpha", "1", "--seeds=-1"], "--seeds: seeds are integers >= 0"),
         (sw + ["--set", "Delta=abc"], "--set Delta: expected START:STOP:NUM"),
         (sw + ["--set", "Delta=nan"], "--set Delta: expected START:STOP:NUM"),
         (sw + ["--set", "skip=1"], "skip: not a symbolic parameter of this model; allowed: Delta, noise"),
