@@ -39,10 +39,10 @@ def _layer_label(k: int) -> str:
     return rf"$Q_{{{k + 1}{k + 1}}}$"
 
 
-def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title: str = ""):
+def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title: str = "") -> list[str]:
     """Diagonal overlaps Q_kk (layer k + 1) vs alpha with error bars: one labelled curve per layer
     and per parameter set (a store with several sets is never drawn as one curve); threshold
-    lines and the learning phases between them are named in the legend."""
+    lines and the learning phases between them are named in the legend. Returns the legend."""
     plt = _plt()
     groups: dict[str, list[dict]] = {}
     for r in rows:
@@ -83,9 +83,11 @@ def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title:
     ax.set_ylabel(r"overlap $Q_{kk}$ (layer $k$)")
     ax.set_title(title)
     ax.legend(fontsize=7, loc="best")
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
     fig.tight_layout()
     save_figure(fig, out)
     plt.close(fig)
+    return labels
 
 
 def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None = None):
@@ -112,10 +114,11 @@ def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None 
     if curves:
         top = max(c[1].max() for c in curves) * 1.15
         x0, y0 = curves[0]
-        ax.fill_between(x0, 0, y0, color="C7", alpha=0.08)
+        ax.fill_between(x0, 0, y0, color="C7", alpha=0.08, label="phase: nothing learnable")
         for i, (x, y) in enumerate(curves):
             upper = curves[i + 1][1] if i + 1 < len(curves) and len(curves[i + 1][1]) == len(y) else np.full_like(y, top)
-            ax.fill_between(x, y, upper, color=f"C{i + 4}", alpha=0.08)
+            ax.fill_between(x, y, upper, color=f"C{i + 4}", alpha=0.08,
+                            label=f"phase: past threshold {steps[i] + 1}")
         ax.set_ylim(0, top)
     ax.axhline(1 / 6, color="k", ls=":", lw=0.8, label=r"$\alpha = 1/6$ (large-skip limit)")
     ax.set_xlabel(r"skip $c$")

@@ -38,8 +38,9 @@ def _store_error(path, what: str) -> AimsymError:
     return AimsymError("--store", f"{path}: {what}")
 
 
-def _connect(path, *, create: bool = True):
-    """Open the store, checking that it is an aimsym sweep store (one clear error otherwise)."""
+def _connect(path, *, create: bool = True, check: bool = True):
+    """Open the store, checking that it is an aimsym sweep store (one clear error otherwise);
+    ``check``: also run SQLite's integrity check (once per sweep, not per stored point)."""
     path = Path(path)
     if not create and not path.is_file():
         raise _store_error(path, "no such file")
@@ -54,9 +55,10 @@ def _connect(path, *, create: bool = True):
             raise _store_error(path, "is an SQLite file not written by 'aimsym sweep' (unexpected tables or "
                                      "columns); choose another --store")
         if create:
-            con.execute("PRAGMA journal_mode=WAL")
+            # (SQLite's default rollback journal: WAL needs shared memory, which network file
+            # systems do not provide, and only this process writes the file anyway)
             con.execute(_SCHEMA)
-        bad = con.execute("PRAGMA quick_check").fetchone()[0]
+        bad = con.execute("PRAGMA quick_check").fetchone()[0] if check else "ok"
         if bad != "ok":
             con.close()
             raise sqlite3.DatabaseError(bad)
@@ -114,7 +116,7 @@ def finished(path, keys) -> dict:
 
 
 def _write(store, row) -> None:
-    con = _connect(store)
+    con = _connect(store, check=False)
     try:
         with con:
             # replace only a damaged record: a readable one (e.g. from a concurrent sweep) stays

@@ -299,3 +299,19 @@ def test_dask_sweep_with_relative_paths_from_another_folder_killed_and_resumed(t
     assert partial < 20 and summary["stored"] == 20
     assert _records(client_dir / "out" / "d.sqlite") == reference
     assert not list((tmp_path / "workers").rglob("*.sqlite"))  # workers wrote nothing
+
+
+def test_plot_draws_one_labelled_curve_per_parameter_set(tmp_path):
+    from aimsym import plot
+
+    store = tmp_path / "two.sqlite"
+    sweep.run_sweep(GC, [0.5, 1.0, 1.5], params={"Delta": [0.3, 1.0]}, store=store, samples=64, workers=1,
+                    progress=False)
+    rows = sweep.table(store)
+    ths = [{"alpha": 0.8, "stderr": 0.01, "subspace": [0]}]
+    labels = plot.overlaps(rows, tmp_path / "f.png", ths)
+    curves = [lb for lb in labels if lb.startswith("$Q_{11}$")]
+    assert curves == ["$Q_{11}$ (Delta = 0.3)", "$Q_{11}$ (Delta = 1)"]  # never one merged zig-zag
+    assert "threshold 1 (layer 1): $\\alpha$ = 0.800 ± 0.010" in labels
+    assert {"phase: no layer learnable", "phase: layer 1 learnable"} <= set(labels)
+    assert (tmp_path / "f.png").stat().st_size > 0
