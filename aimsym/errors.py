@@ -12,6 +12,9 @@ class AimsymError(ValueError):
         self.message = message
         super().__init__(f"{field}: {message}")
 
+    def __reduce__(self):  # (raised in a worker process, it must arrive intact in the client)
+        return self.__class__, (self.field, self.message)
+
 
 class SpecError(AimsymError):
     """Invalid architecture declaration (TOML file or Python spec)."""

@@ -64,6 +64,7 @@ def _bad_inputs(tmp_path):
         (["derive", _toml(tmp_path, "b0last", att.replace("layers = 1", "layers = 2") + "beta = [1.0, 0.0]")],
          "beta: beta = 0 in the last layer"),
         (["se", L1, "--set", "beta=0", "--alpha", "1"], "beta: beta = 0 in every layer"),
+        (["thresholds", L1, "--over", "beta=0:1:3"], "beta: beta = 0 in every layer"),
         (["derive", _toml(tmp_path, "const", 'kind = "smi"\nindices = 1\ntokens = 1\nlink = "z[0] - z[0]"')],
          "link: does not depend on z[k, t]"),
         (["derive", _toml(tmp_path, "unused", 'kind = "smi"\nindices = 2\ntokens = 1\nlink = "z[0] ** 2"')],
@@ -315,3 +316,12 @@ def test_plot_draws_one_labelled_curve_per_parameter_set(tmp_path):
     assert "threshold 1 (layer 1): $\\alpha$ = 0.800 ± 0.010" in labels
     assert {"phase: no layer learnable", "phase: layer 1 learnable"} <= set(labels)
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_user_errors_survive_the_trip_from_a_worker_process():
+    import pickle
+
+    from aimsym.errors import SpecError
+
+    err = pickle.loads(pickle.dumps(SpecError("beta", "must be finite")))
+    assert type(err) is SpecError and err.field == "beta" and str(err) == "beta: must be finite"
