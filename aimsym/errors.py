@@ -28,5 +28,5 @@ class AimsymWarning(UserWarning):
     """A result that may mislead if unnoticed; the CLI prints it as one ``aimsym: warning:`` line."""
 
 
-class ConvergenceWarning(AimsymWarning):
+class ConvergenceWarning(AimsymWarning, RuntimeWarning):
     """An iteration (SE, AMP) stopped at its iteration limit before meeting its tolerance."""

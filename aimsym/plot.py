@@ -39,10 +39,13 @@ def _layer_label(k: int) -> str:
     return rf"$Q_{{{k + 1}{k + 1}}}$"
 
 
-def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title: str = "") -> list[str]:
+def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title: str = "",
+             perfect: dict | None = None) -> list[str]:
     """Diagonal overlaps Q_kk (layer k + 1) vs alpha with error bars: one labelled curve per layer
     and per parameter set (a store with several sets is never drawn as one curve); threshold
-    lines and the learning phases between them are named in the legend. Returns the legend."""
+    lines and the learning phases between them are named in the legend; ``perfect`` (the
+    thresholds report's ``perfect_recovery``): the counting bound alpha_PR and the alpha where the
+    uninformed SE reaches Q = I. Returns the legend."""
     plt = _plt()
     groups: dict[str, list[dict]] = {}
     for r in rows:
@@ -79,6 +82,7 @@ def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title:
         ax.axvline(t["alpha"], color="k", ls="--", lw=0.8,
                    label=rf"threshold {i + 1}{which}: $\alpha$ = {t['alpha']:.3f} ± {err:.3f}")
         ax.axvspan(t["alpha"] - err, t["alpha"] + err, color="k", alpha=0.15)
+    _perfect_lines(ax, perfect)
     ax.set_xlabel(r"sample complexity $\alpha = n / d$")
     ax.set_ylabel(r"overlap $Q_{kk}$ (layer $k$)")
     ax.set_title(title)
@@ -88,6 +92,17 @@ def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title:
     save_figure(fig, out)
     plt.close(fig)
     return labels
+
+
+def _perfect_lines(ax, perfect: dict | None) -> None:
+    if not perfect:
+        return
+    if perfect.get("counting_alpha") is not None:
+        ax.axvline(perfect["counting_alpha"], color="C3", ls=":", lw=1.2,
+                   label=rf"counting bound $\alpha_{{PR}} = p/m$ = {perfect['counting_alpha']:.3g}")
+    if perfect.get("alpha") is not None and np.isfinite(perfect["alpha"]):
+        ax.axvline(perfect["alpha"], color="C3", ls="-.", lw=1.0,
+                   label=rf"SE reaches $Q = I$ ({perfect.get('kind')}): $\alpha$ = {perfect['alpha']:.3f}")
 
 
 def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None = None):
@@ -141,7 +156,7 @@ def register_cli(sub) -> None:
     p.set_defaults(func=_cmd)
 
 
-def _load_thresholds(path, hashes) -> list[dict]:
+def _load_thresholds(path, hashes) -> dict:
     try:
         with open(path) as fh:
             data = json.load(fh)
@@ -161,7 +176,7 @@ def _load_thresholds(path, hashes) -> list[dict]:
 
         warnings.warn(AimsymWarning(f"--thresholds: {path} was computed for model {h}, which is not among the "
                                     f"stored points ({', '.join(sorted(hashes))})"))
-    return steps
+    return data
 
 
 def _cmd(args) -> int:
@@ -170,7 +185,7 @@ def _cmd(args) -> int:
     rows = [r for r in table(args.store) if r["init"] == args.init]
     if not rows:
         raise AimsymError("store", f"{args.store}: no points with init = {args.init} stored")
-    ths = _load_thresholds(args.thresholds, {r["model_hash"] for r in rows}) if args.thresholds else None
-    overlaps(rows, args.out, ths, args.title)
+    th = _load_thresholds(args.thresholds, {r["model_hash"] for r in rows}) if args.thresholds else {}
+    overlaps(rows, args.out, th.get("staircase"), args.title, perfect=th.get("perfect_recovery"))
     print(args.out)
     return 0

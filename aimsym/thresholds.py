@@ -373,7 +373,9 @@ def threshold_by_side_information(model, *, lo: float, hi: float, block=None, le
 # ----------------------------------------------------------------------------- report
 def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=None, seed=0,
                      staircase_steps: bool = True, staircase: bool | None = None, se_samples: int = 2048,
-                     check: bool = False) -> dict:
+                     check: bool = False, perfect: bool = True, pr_samples: int = 1024) -> dict:
+    """alpha_c, the staircase and (``perfect``) the perfect-recovery transition
+    (:func:`aimsym.perfect.perfect_recovery` on ``pr_samples`` SE points)."""
     t0 = time.perf_counter()
     do_stairs = staircase_steps if staircase is None else staircase
     ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
@@ -388,8 +390,13 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
     if check and np.isfinite(ini["alpha"]):
         a = ini["alpha"]
         rep["check"] = threshold_by_side_information(model, lo=0.8 * a, hi=1.25 * a, nodes=nodes, seed=seed + 7)
+    if perfect:
+        from .perfect import perfect_recovery
+
+        rep["perfect_recovery"] = perfect_recovery(model, samples=pr_samples, replicas=replicas, seed=seed,
+                                                   nodes=nodes)
     accuracy = {**ch.den.accuracy, "samples": samples, "replicas": replicas, "se_samples": se_samples,
-                "rule": "scrambled Sobol (randomised QMC)"}
+                "pr_samples": pr_samples if perfect else None, "rule": "scrambled Sobol (randomised QMC)"}
     rep["accuracy"] = accuracy
     rep["seconds"] = time.perf_counter() - t0
     rep["provenance"] = provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,

@@ -187,7 +187,7 @@ def test_unconverged_se_and_amp_warn_in_one_line(capsys):
                      "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["converged"] is False
-    assert err.startswith("aimsym: warning: SE at alpha = 0.5 stopped at max_iter = 1") and err.count("\n") == 1
+    assert err.startswith("aimsym: warning: state evolution at alpha = 0.5 did not converge") and err.count("\n") == 1
     assert cli.main(["amp", GC, "--set", "Delta=0.5", "--d", "40", "--alpha", "2", "--max-iter", "1", "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["converged"] == [False]
