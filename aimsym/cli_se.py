@@ -167,7 +167,7 @@ def cmd_phase_diagram(args) -> int:
     pd = phase_diagram(args.model, name.strip(), values, workers=args.workers, progress=not args.json,
                        samples=args.samples, replicas=args.replicas, stair_samples=args.stair_samples,
                        se_samples=args.se_samples, seed=args.seed, nodes=args.nodes,
-                       staircase=not args.no_staircase)
+                       staircase=not args.no_staircase, perfect=not args.no_perfect, pr_samples=args.pr_samples)
     if args.out:  # (parent folders are created: a long computation is not lost to a typo)
         from pathlib import Path
 

@@ -25,6 +25,7 @@ still above JUMP_GAP) or "continuous".
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 
@@ -40,8 +41,12 @@ PI_MIN_RATIO = 1e-2
 JUMP_GAP = 1e-2
 # relative width of the final bisection bracket
 BISECT_REL = 5e-3
-# independent groups of replicas whose bisections give the threshold's standard error
+# independent groups of replicas whose bisections give the threshold's standard error (each to
+# GROUP_REL: their spread is ~sqrt(GROUPS) times the standard error, far above that)
 GROUPS = 4
+GROUP_REL = 1e-2
+# the SE runs only decide "reaches Q = I or not": a loose relative tol suffices
+PR_SE_TOL = 1e-3
 
 
 def pi_replicas(ch: Channel, V: np.ndarray) -> np.ndarray:
@@ -93,8 +98,11 @@ def local_stability(ch: Channel, *, max_iter: int = 40, shape_tol: float = 2e-3)
 
 
 def _reaches(model, ch, alpha, Q0, se_kw):
-    res = state_evolution(model, alpha, init=Q0 if Q0 is not None else "uninformed", channel=ch, errors=False,
-                          **se_kw)
+    # (an unconverged run is counted in the result rather than warned about once per bisection step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = state_evolution(model, alpha, init=Q0 if Q0 is not None else "uninformed", channel=ch,
+                              errors=False, **se_kw)
     return res.perfect_recovery, res
 
 
@@ -105,11 +113,18 @@ def algorithmic_threshold(model, ch: Channel, *, lo: float, hi: float, rel: floa
     hi_max = hi_max if hi_max is not None else 8.0 * hi
     warm = None  # the fixed point at the largest alpha that did not reach Q = I
     ok, res = _reaches(model, ch, lo, None, se_kw)
+    unconverged = [0]
+
+    def step(alpha, Q0):
+        ok, res = _reaches(model, ch, alpha, Q0, se_kw)
+        unconverged[0] += int(not (ok or res.converged))
+        return ok, res
+
     if ok:
         return {"alpha": lo, "kind": "below-bracket", "bracket": [lo, lo], "error_below": None, "runs": 1}
     warm, runs, res_lo = res.Q, 1, res
     while True:
-        ok, res = _reaches(model, ch, hi, warm, se_kw)
+        ok, res = step(hi, warm)
         runs += 1
         if ok:
             break
@@ -120,7 +135,7 @@ def algorithmic_threshold(model, ch: Channel, *, lo: float, hi: float, rel: floa
                     "error_below": float(np.max(res_lo.errors["layers"])), "runs": runs}
     while (hi - lo) > rel * hi:
         mid = 0.5 * (lo + hi)
-        ok, res = _reaches(model, ch, mid, warm, se_kw)
+        ok, res = step(mid, warm)
         runs += 1
         if ok:
             hi = mid
@@ -128,11 +143,11 @@ def algorithmic_threshold(model, ch: Channel, *, lo: float, hi: float, rel: floa
             lo, warm, res_lo = mid, res.Q, res
     err_below = float(np.max(res_lo.errors["layers"]))
     return {"alpha": 0.5 * (lo + hi), "kind": "jump" if err_below > JUMP_GAP else "continuous",
-            "bracket": [lo, hi], "error_below": err_below, "runs": runs}
+            "bracket": [lo, hi], "error_below": err_below, "runs": runs, "unconverged_runs": unconverged[0]}
 
 
 def perfect_recovery(model, *, samples: int = 1024, replicas: int = 8, seed=0, nodes=None, groups: int = GROUPS,
-                     algorithmic: bool = True, se_tol: float = 1e-4, max_iter: int = 2000) -> dict:
+                     algorithmic: bool = True, se_tol: float = PR_SE_TOL, max_iter: int = 1000) -> dict:
     """The ``perfect_recovery`` entry of the thresholds report: counting, local and algorithmic
     alpha with standard errors (local: jackknife over replicas; algorithmic: the spread of
     independent bisections on ``groups`` disjoint groups of replicas)."""
@@ -153,15 +168,19 @@ def perfect_recovery(model, *, samples: int = 1024, replicas: int = 8, seed=0, n
         full = algorithmic_threshold(model, ch, lo=0.98 * a_pr, hi=1.1 * a_pr, se_kw=se_kw)
         per = replicas // groups
         parts = []
+        a0 = full["alpha"] if np.isfinite(full["alpha"]) else a_pr
         for g in range(groups):
+            # the groups' thresholds scatter around the full set's: a narrow bracket, coarser steps
             sub = Channel(ch.model, ch.den, ch.points[g * per:(g + 1) * per])
-            parts.append(algorithmic_threshold(model, sub, lo=0.98 * a_pr, hi=1.1 * a_pr, se_kw=se_kw)["alpha"])
+            parts.append(algorithmic_threshold(model, sub, lo=max(0.98 * a_pr, 0.92 * a0), hi=1.06 * a0,
+                                               rel=GROUP_REL, se_kw=se_kw)["alpha"])
         parts = np.array(parts)
         # each group holds 1/groups of the points: its variance is groups times the full set's
         se = float(parts.std(ddof=1) / np.sqrt(groups)) if np.all(np.isfinite(parts)) else float("inf")
         se = float(np.hypot(se, 0.5 * (full["bracket"][1] - full["bracket"][0])))
         out.update({"alpha": full["alpha"], "stderr": se, "kind": full["kind"], "bracket": full["bracket"],
-                    "error_below": full["error_below"], "group_alphas": parts.tolist(), "se_runs": full["runs"]})
+                    "error_below": full["error_below"], "group_alphas": parts.tolist(), "se_runs": full["runs"],
+                    "unconverged_runs": full.get("unconverged_runs", 0)})
     out["accuracy"] = {**ch.den.accuracy, "samples": samples, "replicas": replicas, "groups": groups,
                        "se_tol": se_tol, "bisection_rel": BISECT_REL, "pi_scale": PI_SCALE}
     out["seconds"] = time.perf_counter() - t0

@@ -4,7 +4,6 @@ Q = I and the algorithmic threshold of the uninformed SE."""
 
 from __future__ import annotations
 
-from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -70,11 +69,34 @@ def test_noisy_link_has_no_perfect_recovery():
     assert pr["alpha"] is None and "noisy" in pr["note"]
 
 
-def test_counting_rank_matches_exact_rank_on_attention_models():
-    rng = np.random.default_rng(1)
-    for name in ("attention_L1_T2", "attention_L2_T2"):
-        d = aimsym.load(ROOT + name + ".toml").derivation
-        assert counting_rank(d)["m"] == _exact_rank(d, rng)
+def _fd_rank(model, rng, n_points: int = 4, h: float = 1e-6) -> int:
+    """Rank of central finite differences of the generated link kernel (another code path than
+    the derivation's chain rule), read off a gap of 1e4 in the singular values."""
+    best = 0
+    for _ in range(n_points):
+        Z = rng.standard_normal((model.p, model.tokens))
+        cols = []
+        for k in range(model.p):
+            for t in range(model.tokens):
+                E = np.zeros_like(Z)
+                E[k, t] = h
+                cols.append(((model.link(Z + E) - model.link(Z - E)) / (2 * h)).ravel())
+        s = np.linalg.svd(np.array(cols).T, compute_uv=False)
+        gaps = s[:-1] / np.maximum(s[1:], 1e-300)
+        r = int(np.argmax(gaps > 1e4)) + 1 if np.any(gaps > 1e4) else len(s)
+        best = max(best, r)
+    return best
+
+
+@pytest.mark.parametrize("name", ["attention_L1_T2", "attention_L2_T2", "attention_L2_T3", "attention_L3_T2"])
+def test_counting_rank_matches_finite_difference_rank_of_the_generated_link(name):
+    model = aimsym.load(ROOT + name + ".toml", **({"skip": 1.0} if name != "attention_L1_T2" else {"beta": 1.0}))
+    assert model.derivation.counting["m"] == _fd_rank(model, np.random.default_rng(1))
+
+
+def test_counting_rank_matches_exact_rank_on_one_layer():
+    d = aimsym.load(ROOT + "attention_L1_T2.toml").derivation
+    assert counting_rank(d)["m"] == _exact_rank(d, np.random.default_rng(1)) == 2
 
 
 @settings(max_examples=12, deadline=None)
@@ -83,10 +105,11 @@ def test_counting_rank_matches_exact_rank_on_attention_models():
                 min_size=1, max_size=3),
        st.integers(0, 1000))
 def test_counting_rank_equals_exact_rank_on_declared_links(outputs, seed):
-    """Links a user would declare: a vector of 1-3 outputs of two indices; the numerical rank
+    """Links a user would declare: a vector of 2-4 outputs of two indices; the numerical rank
     equals SymPy's exact rank (at random rational points), and alpha_PR = p / m."""
-    link = "[" + ", ".join(outputs) + "]"
-    spec = aimsym.spec.loads(f'[model]\nkind = "smi"\nindices = 2\ntokens = 1\nlink = "{link}"\n')
+    # (the last output uses both indices: a link that ignores one is refused as degenerate)
+    link = "[" + ", ".join(f'"{o}"' for o in outputs + ["z[0, 0] * exp(z[1, 0])"]) + "]"
+    spec = aimsym.spec.loads(f'[model]\nkind = "smi"\nindices = 2\ntokens = 1\nlink = {link}\n')
     d = derive(spec)
     c = counting_rank(d)
     assert c["m"] == _exact_rank(d, np.random.default_rng(seed))
@@ -170,3 +193,24 @@ def test_phase_retrieval_algorithmic_threshold_is_a_jump_above_the_counting_boun
     pr = perfect_recovery(phase_retrieval, samples=4096)
     assert pr["counting_alpha"] == 1.0 and pr["kind"] == "jump"
     assert 1.05 < pr["alpha"] < 1.25 and pr["stderr"] < 0.03
+
+
+def test_phase_diagram_carries_the_perfect_recovery_curve(tmp_path):
+    """One softmax layer (y fixes z up to sign: m = 2, p = 1, alpha_PR = 1/2) over beta: each
+    point has the algorithmic threshold at or above the counting bound, and phase_rows turns it
+    into one more curve after the staircase."""
+    from aimsym import plot
+    from aimsym.thresholds import phase_diagram, phase_rows
+
+    pd = phase_diagram(ROOT + "attention_L1_T2.toml", "beta", [1.0, 2.0], workers=1, samples=1 << 11,
+                       staircase=False, perfect=True, pr_samples=512)
+    for pt in pd["points"]:
+        pr = pt["perfect_recovery"]
+        assert pr["counting_alpha"] == 0.5 and pr["m"] == 2
+        assert pr["alpha"] >= 0.5 - 3 * pr["stderr"]
+        assert abs(pr["trace_Pi"] - 2) < 3 * pr["trace_Pi_stderr"] + 0.02
+    rows = phase_rows(pd)
+    curve = [r for r in rows if r.get("perfect")]
+    assert len(curve) == 2 and all(r["step"] == 1 for r in curve)
+    plot.phase_diagram(rows, tmp_path / "pd.png")
+    assert (tmp_path / "pd.png").stat().st_size > 1000
