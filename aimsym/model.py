@@ -86,8 +86,10 @@ class Model:
         """Print 'compiling kernels for NAME, once' (once per process) when numba's cache holds no
         compiled code of this model's module yet: a model's first use costs tens of seconds of
         compilation. ``kernel``: any njit function of the module (it locates the cache folder)."""
-        if not COMPILE_NOTICE or self.spec.hash() in _NOTICED:
+        key = self.spec.hash()
+        if not COMPILE_NOTICE or key in _NOTICED:
             return False
+        _NOTICED.add(key)  # (checked once per process, whatever the outcome: link() calls this often)
         fn = getattr(self.kernels, kernel, None)
         try:
             folder = Path(fn._cache._cache_path)  # where numba keeps this module's compiled code
@@ -96,7 +98,6 @@ class Model:
         stem = Path(self.kernels.__file__).stem
         if any(folder.glob(f"{stem}.*.nbi")):  # compiled before (at least in part)
             return False
-        _NOTICED.add(self.spec.hash())
         sys.stderr.write(f"aimsym: compiling kernels for {self.name}, once (cached for later runs)\n")
         sys.stderr.flush()
         return True

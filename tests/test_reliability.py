@@ -163,8 +163,9 @@ def test_compile_notice_once_for_a_new_model(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err == "aimsym: compiling kernels for fresh_notice_model, once (cached for later runs)\n"
     assert model.compile_notice("link_batch") is False  # once per process
     bundled = aimsym.load(GC, Delta=0.5)
-    bundled.denoiser()  # compiled (cached) by the other tests of the run
-    assert bundled.compile_notice() is False
+    bundled.link(np.zeros((1, 1, 1)))  # compiled (and cached on disk) here at the latest
+    monkeypatch.setattr("aimsym.model._NOTICED", set())  # as in a new process
+    assert bundled.compile_notice() is False and capsys.readouterr().err == ""
 
 
 def test_channel_refuses_non_symmetric_V_and_mismatched_batches():
