@@ -323,6 +323,19 @@ class Denoiser:
             raise ChannelError("omega", "contains NaN or infinite entries")
         if not np.all(np.isfinite(V)):
             raise ChannelError("V", "contains NaN or infinite entries")
+        asym = float(np.max(np.abs(V - np.swapaxes(V, -1, -2)), initial=0.0))
+        if asym > 1e-8 * max(1.0, float(np.max(np.abs(V), initial=0.0))):  # (the kernels read one triangle)
+            raise ChannelError("V", f"must be symmetric, got max |V - V^T| = {asym:.3g}; pass (V + V^T) / 2")
+        lead = [omega.shape[:-2], V.shape[:-2]]
+        if obs is not None:
+            lead.append(np.shape(obs)[:-1])
+        elif y is not None:
+            lead.append(np.shape(y)[:max(0, np.ndim(y) - len(self.model.output_shape))])
+        try:
+            np.broadcast_shapes(*lead)
+        except ValueError:
+            raise ChannelError("y", f"batch shapes do not match: y (or obs) {lead[-1] if len(lead) > 2 else ()}, "
+                                    f"omega {lead[0]}, V {lead[1]}; they must be equal or broadcast") from None
         tol = self.tol if (isinstance(tol, str) and tol == "default") else _check_tol(tol)
         if isinstance(max_refine, bool) or not (isinstance(max_refine, int | np.integer) and 0 <= max_refine <= 10):
             raise ChannelError("max_refine", f"must be an integer in 0..10, got {max_refine!r}")

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from scipy.stats import norm, qmc
 
-from .errors import AimsymError
+from .errors import AimsymError, ConvergenceWarning
 from .provenance import provenance
 
 # Gauss-Hermite nodes per reduced dimension used by default in SE (cheaper than the denoiser's
@@ -535,6 +535,12 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
         raise AimsymError("damping", f"must be in [0, 1), got {damping!r}")
     if side_info < 0:
         raise AimsymError("side_info", f"must be >= 0, got {side_info!r}")
+    if not (np.isfinite(tol) and tol > 0):
+        raise AimsymError("tol", f"must be a finite number > 0, got {tol!r}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int | np.integer) or max_iter < 1:
+        raise AimsymError("max_iter", f"must be an integer >= 1, got {max_iter!r}")
+    if isinstance(seed, int | np.integer) and seed < 0:
+        raise AimsymError("seed", f"must be an integer >= 0, got {seed!r}")
     t0 = time.perf_counter()
     p = model.p
     ch = channel or make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
@@ -584,7 +590,7 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
     if not converged and stop is None:  # (under a stop predicate the iteration ends early on purpose)
         warnings.warn(f"state evolution at alpha = {alpha:g} did not converge in {it} iterations "
                       f"(tol {tol:g} relative to min(Q_kk, 1 - Q_kk)); raise max_iter or damping",
-                      RuntimeWarning, stacklevel=2)
+                      ConvergenceWarning, stacklevel=2)
     accuracy = {**ch.den.accuracy, "samples": int(ch.points.shape[0] * ch.points.shape[1]),
                 "replicas": int(ch.points.shape[0]), "rule": "scrambled Sobol (randomised QMC)",
                 "tol": tol, "convergence": "relative to min(Q_kk, 1 - Q_kk)",
