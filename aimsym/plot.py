@@ -118,10 +118,12 @@ def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None 
         sub = pts[0].get("subspace")
         lab = (labels or {}).get(step) or (f"threshold {step + 1}" + (
             f": layer{'s' if len(sub) > 1 else ''} {', '.join(str(i + 1) for i in sub)}" if sub else ""))
+        if pts[0].get("perfect"):  # the perfect-recovery transition (thresholds.phase_rows)
+            lab = (labels or {}).get(step) or "uninformed SE reaches $Q = I$"
         x = np.array([p["skip"] for p in pts])
         y = np.array([p["alpha"] for p in pts])
         line = ax.errorbar(x, y, yerr=[p["stderr"] for p in pts], marker="o", ms=3, capsize=2, label=lab)
-        jumps = [p for p in pts if p.get("jump")]
+        jumps = [p for p in pts if p.get("jump") and not p.get("perfect")]
         if jumps:  # root at a first-order jump of the restricted branch, not a linear-stability root
             ax.plot([p["skip"] for p in jumps], [p["alpha"] for p in jumps], "o", ms=7, mfc="none",
                     color=line[0].get_color(), label=f"{lab}: at a jump of the branch")
@@ -132,8 +134,9 @@ def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None 
         ax.fill_between(x0, 0, y0, color="C7", alpha=0.08, label="phase: nothing learnable")
         for i, (x, y) in enumerate(curves):
             upper = curves[i + 1][1] if i + 1 < len(curves) and len(curves[i + 1][1]) == len(y) else np.full_like(y, top)
+            perfect = any(p.get("perfect") and p["step"] == steps[i] for p in points)
             ax.fill_between(x, y, upper, color=f"C{i + 4}", alpha=0.08,
-                            label=f"phase: past threshold {steps[i] + 1}")
+                            label="phase: perfect recovery" if perfect else f"phase: past threshold {steps[i] + 1}")
         ax.set_ylim(0, top)
     ax.axhline(1 / 6, color="k", ls=":", lw=0.8, label=r"$\alpha = 1/6$ (large-skip limit)")
     ax.set_xlabel(r"skip $c$")
