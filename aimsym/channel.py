@@ -29,6 +29,11 @@ Accuracy. Two rules for the integral over the free entries u:
   Gauss-Hermite is used instead only where the prior of u is narrow (``gh_plausible``) *and* the
   Gauss-Hermite result agrees with a rule of 3/4 the size to ``check_tol``.
 
+``rule="modal"`` (exact path, any number of free entries; for k >= 3, where tensor Gauss-Hermite
+does not converge): the mode-centred adaptive cubature of ``aimsym.modal``, always controlled to
+``tol`` (default DEFAULT_TOL) up to a budget of ``max_regions`` regions per sample, with the
+per-sample estimate in ``error`` (see docs/denoiser.md).
+
 ``error=True`` repeats the computation with rules of 3/4 the size (per dimension) and reports the
 largest difference of g_out and dg_out as ``error``. ``tol`` (optional) makes that a loop: samples
 whose difference exceeds tol (relative to the size of g_out and dg_out) are recomputed with rules

@@ -28,13 +28,12 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-import warnings
+import os
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from .errors import ChannelError
 
 TEMPLATE = Path(__file__).with_name("modal_template.py")
 MARKER = "# ---- template begins ----"
@@ -66,7 +65,7 @@ def load(kernels):
     path = cache_dir() / "modal" / f"{kernels.NAME}_{key}.py"
     if not path.exists() or path.read_text() != text:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{np.random.default_rng().integers(1 << 30)}.tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # (per process: concurrent writers)
         tmp.write_text(text)
         tmp.replace(path)
     return import_module(path)

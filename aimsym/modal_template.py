@@ -657,8 +657,10 @@ def modal_adaptive_one(obs, omega, V, params, nc, cb, cm, cL, cla, gp, w7, w5, t
     # (the error of the earlier result: pessimistic where the rule converges, and blind, like
     # every cubature estimate, only to a feature no region has yet seen)
     prev = np.zeros(nq)
+    prev2 = np.zeros(nq)  # the checkpoint before prev (for a stop at the budget)
     diff = np.empty(nq)
     have_prev = False
+    have_prev2 = False
     check_at = 2 * nr
     est = math.inf
     while True:
@@ -676,7 +678,9 @@ def modal_adaptive_one(obs, omega, V, params, nc, cb, cm, cL, cla, gp, w7, w5, t
                 if est <= tol:
                     break
             for q in range(nq):
+                prev2[q] = prev[q]
                 prev[q] = tot[q]
+            have_prev2 = have_prev
             have_prev = True
         if nr + 1 > R:
             budget_hit = 1.0
@@ -735,6 +739,12 @@ def modal_adaptive_one(obs, omega, V, params, nc, cb, cm, cL, cla, gp, w7, w5, t
         return st
     extra[1] = n_eval
     extra[2] = MODAL_SAFETY * _propagated_error(tot, etot, Vinv, pt, p, nt)
+    if budget_hit > 0.0 and have_prev2:
+        # stopped by the budget, not by convergence: the last change can be small by chance
+        # while the subdivision is still finding structure, so the previous one counts too
+        for q in range(nq):
+            diff[q] = abs(prev[q] - prev2[q])
+        extra[2] = max(extra[2], MODAL_SAFETY * _propagated_error(prev, diff, Vinv, pt, p, nt))
     extra[3] = budget_hit
     return STATUS_OK
 
