@@ -464,12 +464,22 @@ def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alp
                                f"alpha rho < 1 on {P}: no threshold located")
 
 
+# Replicas of the staircase operator points. At 2^13 points, 32 replicas of 256 give the same
+# spread of the layer-1 root of the two-layer model as 8 of 1024 (sd 0.0051 vs 0.0056 over 40
+# seeds: short replicas lose no QMC accuracy on this heavy-tailed integrand) but a ± that holds:
+# z-scores about the seed mean have sd 0.99 (max |z| 2.3) against 1.37 (max 3.9) with 8.
+STAIR_REPLICAS = 32
+
+
 def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14, replicas: int = 8,
-              se_samples: int = 2048, nodes=None, seed=0, parametric: bool = True) -> list[dict]:
+              se_samples: int = 2048, nodes=None, seed=0, parametric: bool = True,
+              op_replicas: int = STAIR_REPLICAS) -> list[dict]:
     """Ordered list of the next thresholds after ``first`` is learned at alpha_c. A single learned
     index uses the parametric branch (:func:`next_threshold_branch`, operator points only) unless
-    ``parametric`` is False; larger learned blocks iterate the restricted SE (``se_samples``)."""
-    ch_op = make_channel(model, samples=samples, replicas=replicas, seed=seed + 1, nodes=nodes)
+    ``parametric`` is False; larger learned blocks iterate the restricted SE (``se_samples``,
+    ``replicas``). The operator points have ``op_replicas`` replicas (fewer if ``samples`` is small)."""
+    op_replicas = max(3, min(op_replicas, samples // 32))  # keep >= 32 points per replica
+    ch_op = make_channel(model, samples=samples, replicas=op_replicas, seed=seed + 1, nodes=nodes)
     ch_se = None  # only the iterated restricted SE needs its own points
     learned, alpha, steps = list(first), alpha_c, []
     while len(learned) < model.p:
@@ -481,7 +491,8 @@ def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14
         sub = th["subspace"] or [i for i in range(model.p) if i not in learned]
         steps.append({"subspace": sub, "alpha": th["alpha"], "stderr": th["stderr"], "jump": th["jump"],
                       "method": th.get("method", "restricted SE"),
-                      "direction": th["direction"], "rho": th["rho"], "Q_branch": th["Q_branch"]})
+                      "direction": th["direction"], "rho": th["rho"], "Q_branch": th["Q_branch"],
+                      "replicas": op_replicas})
         learned, alpha = sorted(set(learned) | set(sub)), th["alpha"]
     return steps
 

@@ -170,22 +170,27 @@ def test_tail_weights_reproduce_normal_moments():
 
 
 def test_cross_fit_has_no_max_bias_at_a_degenerate_top():
-    """Synthetic replicas F_r = diag(2, 2, 1) + symmetric Gaussian noise: the top eigenvalue of the
-    mean is biased upwards by ~0.5 stderr (max of two); the cross-fitted estimate is not, and its
-    jackknife z-scores have mean ~ 0 and sd ~ 1 (t with 7 dof: 1.18)."""
+    """Synthetic replicas F_r = diag(2, 2, 1) + symmetric Gaussian noise (top eigenvalue exactly
+    degenerate): the top eigenvalue of the mean is biased upwards by ~1 of its own sd (max of two);
+    the cross-fitted estimate is not (measured: -0.015 stderr over 2000 draws), and its jackknife
+    error bar is not too small (conservative here: spread / rms stderr = 0.69; z sd 0.93)."""
     rng = np.random.default_rng(3)
     R, reps, sig = 8, 300, 0.05
-    z_cf, z_max = [], []
+    err, se_, top = [], [], []
     for _ in range(reps):
         N = rng.standard_normal((R, 3, 3)) * sig
         Fr = np.diag([2.0, 2.0, 1.0]) + (N + np.swapaxes(N, 1, 2)) / 2
         rho, loo = th.cross_fitted_rho(Fr)
-        z_cf.append((rho - 2.0) / th.jackknife_stderr(loo))
-        top = np.linalg.eigvalsh(Fr.mean(0))[-1]
-        z_max.append((top - 2.0) / (sig / np.sqrt(R)))
-    z_cf, z_max = np.array(z_cf), np.array(z_max)
-    assert np.mean(z_max) > 0.4  # the bias the estimator removes is really there
-    assert abs(np.mean(z_cf)) < 0.15 and 0.8 < np.std(z_cf) < 1.3
+        err.append(rho - 2.0)
+        se_.append(th.jackknife_stderr(loo))
+        top.append(np.linalg.eigvalsh(Fr.mean(0))[-1] - 2.0)
+    err, se_, top = np.array(err), np.array(se_), np.array(top)
+    rms = np.sqrt(np.mean(se_**2))
+    assert np.mean(top) > 0.7 * np.std(top)  # the bias the estimator removes is really there
+    assert abs(np.mean(err)) < 0.15 * rms
+    assert 0.5 < np.std(err) / rms < 1.1
+    z = err / se_
+    assert abs(np.mean(z)) < 0.35 and 0.7 < np.std(z) < 1.3
 
 
 def _z_scores(make, exact, seeds):
