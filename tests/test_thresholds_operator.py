@@ -277,7 +277,10 @@ def test_two_layer_second_method_agrees():
     model = aimsym.load(DER / "attention_L2_T2.toml", skip=1.0)
     a = th.initial_threshold(model, samples=1 << 15, seed=0)
     b = th.threshold_by_side_information(model, lo=0.16, hi=0.21, samples=1 << 13, xtol=1e-3, seed=3)
-    assert abs(a["alpha"] - b["alpha"]) < 4 * a["stderr"] * np.sqrt(4) + 2e-3
+    # b's sampling error is that of its own plain points (the operator on them: 0.1845 +- 0.0019),
+    # not a's (reweighted, 2^15 points: +- 0.0001)
+    b_pts = th.initial_threshold(model, samples=1 << 13, seed=3, tail_scale=1.0)
+    assert abs(a["alpha"] - b["alpha"]) < 4 * np.hypot(a["stderr"], b_pts["stderr"]) + 2e-3
 
 
 @pytest.mark.slow
