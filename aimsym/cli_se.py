@@ -40,6 +40,10 @@ def register(sub) -> None:
                    help="QMC points of the restricted SE along the staircase (default 2048)")
     p.add_argument("--no-staircase", action="store_true", dest="no_staircase")
     p.add_argument("--check", action="store_true", help="also locate alpha_c by SE with tiny side information")
+    p.add_argument("--no-perfect-recovery", action="store_true", dest="no_perfect",
+                   help="skip the perfect-recovery transition (local stability of Q = I, uninformed SE bisection)")
+    p.add_argument("--pr-samples", type=int, default=1024, dest="pr_samples",
+                   help="QMC points of the SE runs locating perfect recovery (default 1024)")
     p.add_argument("--over", default=None, metavar="NAME=START:STOP:NUM",
                    help="phase diagram: thresholds at every value of one parameter (e.g. skip=0:4:16)")
     p.add_argument("--stair-samples", type=int, default=1 << 13, dest="stair_samples",
@@ -100,7 +104,12 @@ def cmd_se(args) -> int:
     for k in range(model.p):
         row = "  ".join(f"{res.Q[k, j]: .4f}±{res.Q_stderr[k, j]:.4f}" for j in range(model.p))
         print(f"Q[{k}]  {row}")
-    print("errors 1 - Q_kk:", ", ".join(f"{e:.4f}" for e in res.errors["layers"]))
+    print("errors 1 - Q_kk:", ", ".join(
+        ("perfect recovery" if pr else f"{e:.4g} ± {s:.2g}")
+        for e, s, pr in zip(res.errors["layers"], res.errors["layers_stderr"], res.errors["perfect_recovery"])))
+    dg = res.diagnostics
+    print(f"Nishimori residual {dg['nishimori_z']:.1f} stderr (relative {dg['nishimori_relative']:.1e}); "
+          f"quadrature: {dg['quadrature_note']}")
     if "prediction" in res.errors:
         pe = res.errors["prediction"]
         print(f"prediction error: Bayes-optimal {pe['bayes_optimal']:.4f}  plug-in {pe['plug_in']:.4f}")
@@ -116,7 +125,8 @@ def cmd_thresholds(args) -> int:
         return cmd_phase_diagram(args)
     model = load_model(args)
     rep = threshold_report(model, samples=args.samples, replicas=args.replicas, nodes=args.nodes, seed=args.seed,
-                           staircase=not args.no_staircase, se_samples=args.se_samples, check=args.check)
+                           staircase=not args.no_staircase, se_samples=args.se_samples, check=args.check,
+                           perfect=not args.no_perfect, pr_samples=args.pr_samples)
     if args.json:
         print_json(rep)
         return 0
@@ -127,6 +137,14 @@ def cmd_thresholds(args) -> int:
         print("   ", "  ".join(f"{v: .3f}" for v in row))
     for step in rep["staircase"]:
         print(f"subspace {step['subspace']}: alpha = {_pm(step['alpha'], step['stderr'])}")
+    pr = rep.get("perfect_recovery")
+    if pr is not None:
+        print(f"counting bound alpha_PR = p/m = {pr['counting_alpha']}  (m = {pr['m']}; {pr['note']})")
+        if pr.get("local_alpha") is not None:
+            print(f"Q = I locally stable above {pr['local_alpha']:.4f} ± {pr['local_alpha_stderr']:.4f}"
+                  f"  (tr Pi = {pr['trace_Pi']:.4f} ± {pr['trace_Pi_stderr']:.4f}, m = {pr['m']})")
+        if pr.get("alpha") is not None:
+            print(f"uninformed SE reaches Q = I at alpha = {pr['alpha']:.4f} ± {pr['stderr']:.4f} ({pr['kind']})")
     return 0
 
 
@@ -158,7 +176,7 @@ def cmd_phase_diagram(args) -> int:
     pd = phase_diagram(args.model, name.strip(), values, workers=args.workers, progress=not args.json,
                        samples=args.samples, replicas=args.replicas, stair_samples=args.stair_samples,
                        se_samples=args.se_samples, seed=args.seed, nodes=args.nodes,
-                       staircase=not args.no_staircase)
+                       staircase=not args.no_staircase, perfect=not args.no_perfect, pr_samples=args.pr_samples)
     if args.out:  # (parent folders are created: a long computation is not lost to a typo)
         from pathlib import Path
 

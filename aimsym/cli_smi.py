@@ -11,6 +11,11 @@ def register(sub) -> None:
     p.add_argument("model", help="a TOML file (e.g. derivations/attention_L2_T2.toml)")
     p.add_argument("--set", action="append", metavar="NAME=VALUE", help="bind a symbolic parameter")
     p.add_argument("--latex", metavar="FILE", help="write a self-contained LaTeX document")
+    p.add_argument("--no-appendix", action="store_true",
+                   help="leave the appendix (program, Jacobian, reduction entries) out of the document")
+    p.add_argument("--latex-part", metavar="PART", choices=("model", "link", "reduction", "jacobian"),
+                   help="write one align block for pasting (model, link, reduction, jacobian) "
+                        "instead of the document: to --latex FILE, else to stdout")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.add_argument("--check", action="store_true",
                    help="also evaluate the generated link at random Z and compare with the symbolic one")
@@ -36,11 +41,17 @@ def _derive(args) -> int:
     model = _load(args)
     d = model.derivation
     summary = model.summary()
-    if args.latex:
-        from aimsym.latex import document
+    if args.latex_part and not args.latex:
+        from aimsym.latex import part
 
+        sys.stdout.write(part(d, args.latex_part))
+        return 0
+    if args.latex:
+        from aimsym.latex import document, part
+
+        text = part(d, args.latex_part) if args.latex_part else document(d, appendix=not args.no_appendix)
         Path(args.latex).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.latex).write_text(document(d))
+        Path(args.latex).write_text(text)
         summary["latex"] = str(args.latex)
     if args.check:
         import numpy as np

@@ -26,8 +26,11 @@ def save_figure(fig, out, dpi: int = 130):
     fig.savefig(out, dpi=dpi)
 
 
-def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title: str = ""):
-    """Diagonal overlaps Q_kk (layer k + 1) vs alpha, error bars, threshold lines, shaded phases."""
+def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title: str = "",
+             perfect: dict | None = None):
+    """Diagonal overlaps Q_kk (layer k + 1) vs alpha, error bars, threshold lines, shaded phases;
+    ``perfect`` (the thresholds report's ``perfect_recovery``): the counting bound alpha_PR and the
+    alpha where the uninformed SE reaches Q = I."""
     plt = _plt()
     rows = sorted(rows, key=lambda r: r["alpha"])
     a = np.array([r["alpha"] for r in rows])
@@ -43,6 +46,7 @@ def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title:
         ax.axvspan(t["alpha"] - t.get("stderr", 0), t["alpha"] + t.get("stderr", 0), color="k", alpha=0.15)
     for i in range(len(edges) - 1):
         ax.axvspan(edges[i], edges[i + 1], color=f"C{i + 4}", alpha=0.08)
+    _perfect_lines(ax, perfect)
     ax.set_xlabel("alpha")
     ax.set_ylabel("overlap Q_kk")
     ax.set_title(title)
@@ -50,6 +54,17 @@ def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title:
     fig.tight_layout()
     save_figure(fig, out)
     plt.close(fig)
+
+
+def _perfect_lines(ax, perfect: dict | None) -> None:
+    if not perfect:
+        return
+    if perfect.get("counting_alpha") is not None:
+        ax.axvline(perfect["counting_alpha"], color="C3", ls=":", lw=1.2,
+                   label=f"counting bound p/m = {perfect['counting_alpha']:.3g}")
+    if perfect.get("alpha") is not None and np.isfinite(perfect["alpha"]):
+        ax.axvline(perfect["alpha"], color="C3", ls="-.", lw=1.0,
+                   label=f"SE reaches Q = I ({perfect.get('kind')}): {perfect['alpha']:.3f}")
 
 
 def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None = None):
@@ -110,7 +125,7 @@ def _cmd(args) -> int:
     rows = [r for r in table(args.store) if r["init"] == "uninformed"]
     if not rows:
         raise AimsymError("store", "no uninformed points stored")
-    ths = json.load(open(args.thresholds))["staircase"] if args.thresholds else None
-    overlaps(rows, args.out, ths, args.title)
+    th = json.load(open(args.thresholds)) if args.thresholds else {}
+    overlaps(rows, args.out, th.get("staircase"), args.title, perfect=th.get("perfect_recovery"))
     print(args.out)
     return 0

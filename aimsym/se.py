@@ -26,6 +26,7 @@ compare free-entropy *differences* (e.g. uninformed vs informed fixed points at 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -41,6 +42,20 @@ from .provenance import provenance
 # is biased by up to 12 % at small skip (0.242 vs 0.274 at skip 1e-6; 0.1840 vs 0.1845 at skip 1).
 SE_NODES = {1: 40, 2: 24, 3: 10, 4: 7}
 SE_POLAR = (8, 24)
+# the SE's denoiser controls its error (refining samples whose estimate exceeds SE_TOL,
+# relative to the size of g_out, dg_out) where the denoiser supports it (exact path): near
+# V = 0 with anisotropic V the fixed rule manufactures information (E[sum_t g_t^T V g_t] = 2.21
+# where the rank identity allows 2), which moved perfect recovery below the counting bound
+SE_TOL = 1e-6
+# V = I - Q is clipped at OVERLAP_EPS (clip_overlap), so 1 - Q_kk below PERFECT_RESOLUTION is not
+# resolved: such an entry is reported as perfect recovery, not as a number
+OVERLAP_EPS = 1e-9
+PERFECT_RESOLUTION = 1e-8
+# convergence is relative to min(Q_kk, 1 - Q_kk), floored at LOWER_FLOOR near Q = 0 (where the
+# uninformed fixed point sits exactly at 0) and at PERFECT_RESOLUTION near Q = I
+LOWER_FLOOR = 0.01
+# a coarse-pass result with some 1 - Q_kk below this is discarded (see state_evolution)
+COARSE_NEAR_ONE = 0.05
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -71,7 +86,7 @@ def sym(A: np.ndarray) -> np.ndarray:
     return 0.5 * (A + np.swapaxes(A, -1, -2))
 
 
-def clip_overlap(Q: np.ndarray, eps: float = 1e-9) -> np.ndarray:
+def clip_overlap(Q: np.ndarray, eps: float = OVERLAP_EPS) -> np.ndarray:
     """Project a symmetric matrix onto 0 <= Q <= (1 - eps) I (eigenvalue clipping)."""
     w, U = np.linalg.eigh(sym(Q))
     return sym((U * np.clip(w, 0.0, 1.0 - eps)) @ U.T)
@@ -188,17 +203,51 @@ def denoiser_accuracy(model, nodes=None, polar=None) -> dict:
         out["nodes"] = SE_NODES[dim]
     if dim == 2:
         out["polar"] = tuple(int(v) for v in (polar or SE_POLAR))
+    if dim > 0 and getattr(model.kernels, "PATH", "") not in ("noisy", "halfspace", "hardmax-wedge",
+                                                              "hardmax-wedge-mixed"):
+        out["tol"] = SE_TOL
     return out
 
 
-def se_map(ch: Channel, Q: np.ndarray, alpha: float):
-    """One SE output step at Q: replica values of Q_hat (R, p, p) and of Psi_out (R,)."""
+def se_map(ch: Channel, Q: np.ndarray, alpha: float, *, diagnostics: bool = False):
+    """One SE output step at Q: replica values of Q_hat (R, p, p) and of Psi_out (R,).
+    ``diagnostics``: also a dict with the Nishimori residual and the denoiser's error estimate."""
     out, R, n = ch.denoise(Q)
     g = out.g_out.reshape(R, n, ch.p, ch.T)
-    Q_hat_r = alpha * np.einsum("rnkt,rnlt->rkl", g, g) / n
+    gg_r = np.einsum("rnkt,rnlt->rkl", g, g) / n
+    Q_hat_r = alpha * gg_r
     psi_r = out.log_z_out.reshape(R, n).mean(axis=1)
     _check_finite(Q_hat_r, "Q_hat")
-    return sym(Q_hat_r), psi_r
+    if not diagnostics:
+        return sym(Q_hat_r), psi_r
+    dg = out.dg_out.reshape(R, n, ch.p, ch.T, ch.p, ch.T)
+    return sym(Q_hat_r), psi_r, {**nishimori_residual(gg_r, np.einsum("rnktlt->rkl", dg) / n),
+                                 **quadrature_summary(out, ch.den)}
+
+
+def nishimori_residual(gg_r: np.ndarray, dg_r: np.ndarray) -> dict:
+    """E[sum_t g g^T] + E[sum_t dg_out[:, t; :, t]] (zero for a correct denoiser, theory section 4)
+    from replica means (R, p, p): the residual matrix, its standard error, and the largest entry
+    in standard errors (``z``) and relative to |E[g g^T]| (``relative``)."""
+    res, se = mean_and_stderr(sym(gg_r + dg_r))
+    scale = float(np.max(np.abs(gg_r.mean(axis=0)))) or 1.0
+    z = np.abs(res) / np.where(se > 0, se, np.inf)
+    return {"nishimori_residual": res.tolist(), "nishimori_stderr": se.tolist(),
+            "nishimori_z": float(np.max(z)), "nishimori_relative": float(np.max(np.abs(res)) / scale)}
+
+
+def quadrature_summary(out, den) -> dict:
+    """The denoiser's own error estimate over the batch (None where it gives none)."""
+    err = getattr(out, "error", None)
+    tol = getattr(den, "tol", None)
+    if err is None:
+        return {"quadrature_error_max": None, "quadrature_tol": tol, "quadrature_missed": None,
+                "quadrature_note": "fixed rule: the quadrature error is not estimated"}
+    err = np.asarray(err, dtype=float).ravel()
+    missed = int(np.sum(err > tol)) if tol else None
+    return {"quadrature_error_max": float(np.max(err)), "quadrature_error_median": float(np.median(err)),
+            "quadrature_tol": tol, "quadrature_missed": missed,
+            "quadrature_note": (f"{missed} of {err.size} samples above tol" if missed else "every sample within tol")}
 
 
 def _check_finite(x, what):
@@ -254,8 +303,14 @@ class SEResult:
     side_block: list | None
     history: list = field(repr=False, default_factory=list)
     accuracy: dict = field(default_factory=dict)
+    diagnostics: dict = field(default_factory=dict)  # Nishimori residual, quadrature error estimate
     seconds: float = 0.0
     provenance: dict = field(default_factory=dict)
+
+    @property
+    def perfect_recovery(self) -> bool:
+        """Every (unrestricted) entry at perfect recovery: 1 - Q_kk below PERFECT_RESOLUTION."""
+        return bool(all(self.errors["perfect_recovery"]))
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -263,6 +318,120 @@ class SEResult:
         for k in ("Q", "Q_stderr", "Q_hat", "Q_hat_stderr"):
             d[k] = np.asarray(d[k]).tolist()
         return d
+
+
+@dataclass
+class Response:
+    """The sampled SE map F near a point Q0, on its free entries (upper triangle inside the
+    mask, leaving out entries at perfect recovery, which the clipping of V pins): F0 = F(Q0)
+    and J = dF/dQ (forward differences of step rel_step * sqrt(s_k s_l), s = :func:`error_scale`;
+    one map evaluation per free entry and one at Q0)."""
+
+    free: list
+    F0: np.ndarray
+    J: np.ndarray
+
+    def vec(self, M: np.ndarray) -> np.ndarray:
+        return np.array([M[..., i, j] for i, j in self.free]).T
+
+    def unvec(self, v: np.ndarray, p: int) -> np.ndarray:
+        M = np.zeros((p, p))
+        for c, (i, j) in enumerate(self.free):
+            M[i, j] = M[j, i] = v[c]
+        return M
+
+    @property
+    def stable(self) -> bool:
+        return bool(np.max(np.abs(np.linalg.eigvals(self.J)), initial=0.0) < 1.0)
+
+
+def map_response(ch: Channel, Q0: np.ndarray, alpha: float, Lam: np.ndarray, mask: np.ndarray,
+                 rel_step: float = 1e-3) -> Response:
+    p = Q0.shape[0]
+    e = 1.0 - np.diag(Q0)
+    free = [(i, j) for i in range(p) for j in range(i, p)
+            if mask[i, j] > 0 and e[i] >= PERFECT_RESOLUTION and e[j] >= PERFECT_RESOLUTION]
+    resp = Response(free, np.zeros(len(free)), np.zeros((len(free), len(free))))
+    if not free:
+        return resp
+
+    def F(Qx):
+        Q_hat_r, _ = se_map(ch, Qx, alpha)
+        return resp.vec(q_from_q_hat(Q_hat_r.mean(axis=0) * mask, Lam) * mask)
+
+    s = np.sqrt(error_scale(Q0))
+    resp.F0 = F(Q0)
+    for c, (i, j) in enumerate(free):
+        h = rel_step * s[i] * s[j]
+        sign = -1.0 if Q0[i, i] + h >= 1.0 or Q0[j, j] + h >= 1.0 else 1.0
+        E = np.zeros((p, p))
+        E[i, j] = E[j, i] = sign * h
+        resp.J[:, c] = (F(Q0 + E) - resp.F0) / (sign * h)
+    return resp
+
+
+def newton_polish(ch: Channel, Q: np.ndarray, alpha: float, Lam: np.ndarray, mask: np.ndarray, tol: float,
+                  steps: int = 3):
+    """Newton steps Q <- Q + (I - J)^{-1} (F(Q) - Q) on the fixed-point equation, at a stable
+    fixed point of the iteration only (a Newton step would also reach unstable ones). Near a
+    transition the iteration contracts critically slowly (rate -> 1) and its extrapolated
+    stopping rule can stop early (linear channel at alpha = 0.99: 1 % off in 1 - Q at tol 1e-4);
+    the Newton distance (I - J)^{-1} (F(Q) - Q) is the actual distance to the fixed point.
+    Returns (Q, response at Q, distance to the fixed point in :func:`relative_step` units)."""
+    p = Q.shape[0]
+    resp = map_response(ch, Q, alpha, Lam, mask)
+    dist = 0.0
+    for _ in range(steps + 1):
+        if not resp.free:
+            return Q, resp, 0.0
+        try:
+            dq = np.linalg.solve(np.eye(len(resp.free)) - resp.J, resp.F0 - resp.vec(Q))
+        except np.linalg.LinAlgError:
+            return Q, resp, float("inf")
+        s = np.sqrt(error_scale(Q))
+        dist = float(np.max(np.abs(dq) / np.array([s[i] * s[j] for i, j in resp.free])))
+        if dist < tol or not resp.stable or _ == steps:
+            break
+        Q_new = clip_overlap(Q + resp.unvec(dq, p)) * mask
+        if np.any(np.abs(np.diag(Q_new) - np.diag(Q)) > 0.5 * error_scale(Q)):
+            break  # not a local correction: leave it to the iteration
+        Q = Q_new
+        resp = map_response(ch, Q, alpha, Lam, mask)
+    return Q, resp, dist
+
+
+def fixed_point_stderr(resp: Response, Q_r: np.ndarray):
+    """Standard error of the fixed point Q* = F(Q*) of the sampled map F, from the replica values
+    Q_r of F(Q*): a change dF of the map moves the fixed point by (I - J)^{-1} dF. Near a
+    transition |I - J| -> 0 and the one-step spread alone understates the error (linear channel
+    y = z at alpha = 0.99: by a factor 250). Returns (stderr matrix, largest amplification)."""
+    R = Q_r.shape[0]
+    _, se_step = mean_and_stderr(Q_r)
+    if not resp.free:
+        return se_step, 1.0
+    V = resp.vec(Q_r)
+    D = V - V.mean(axis=0)
+    C = D.T @ D / (R - 1) / R
+    try:
+        A = np.linalg.inv(np.eye(len(resp.free)) - resp.J)
+    except np.linalg.LinAlgError:
+        A = np.full_like(resp.J, np.inf)
+    var = np.diag(A @ C @ A.T)
+    out = se_step.copy()
+    for c, (i, j) in enumerate(resp.free):
+        out[i, j] = out[j, i] = np.sqrt(var[c]) if np.isfinite(var[c]) else np.inf
+    step = np.sqrt(np.maximum(np.diag(C), 1e-300))
+    return out, float(np.max(np.sqrt(np.maximum(var, 0)) / step))
+
+
+def layer_errors(Q: np.ndarray, Q_se: np.ndarray, mask: np.ndarray) -> dict:
+    """1 - Q_kk with standard errors; entries below PERFECT_RESOLUTION are perfect recovery
+    (reported as 0 with ``perfect_recovery`` true: the SE cannot resolve them)."""
+    e = 1.0 - np.diag(Q)
+    active = np.diag(mask) > 0
+    perfect = active & (e < PERFECT_RESOLUTION)
+    return {"layers": np.where(perfect, 0.0, e).tolist(), "layers_stderr": np.diag(Q_se).tolist(),
+            "perfect_recovery": perfect.tolist(), "resolution": PERFECT_RESOLUTION}
 
 
 def initial_overlap(p: int, init, eps: float = 1e-4) -> np.ndarray:
@@ -307,6 +476,7 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
     Q = initial_overlap(p, init, init_eps) * mask
     history, it = [], 0
     # coarse pass on 1/8 of the points (cheap), then the full rule from there
+    Q_init = Q
     for stage, (rule, stage_tol) in enumerate(((ch.subset(coarse), 4 * tol), (ch, tol))):
         # no coarse pass under a stop predicate: it would decide on 1/8 of the points (another
         # sampled map), e.g. "the overlap has left zero" where the full rule is still stable
@@ -315,32 +485,51 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
         Q, n_it, converged = _iterate(rule, Q, alpha, Lam, mask, damping, stage_tol, max_iter - it, history,
                                       anderson, stop)
         it += n_it
+        # near Q = I the coarse map can overshoot the full map's fixed point (1/8 of the points
+        # carry a little more information, e.g. perfect recovery at alpha = 0.99 < alpha_PR), and
+        # from above the full rule would approach it critically slowly or stay on another branch
+        if stage == 0 and np.any((1.0 - np.diag(Q) < COARSE_NEAR_ONE) & (np.diag(mask) > 0)):
+            Q = Q_init
         if stop is not None and stop(Q):
             break
     if stop is None:
         Q, n_it, converged = _reseed(ch, Q, alpha, Lam, mask, damping, tol, max_iter - it, history, anderson,
                                      init_eps, converged)
         it += n_it
-    Q_hat_r, psi_r = se_map(ch, Q, alpha)
+    distance = None
+    if stop is None:
+        Q, resp, distance = newton_polish(ch, Q, alpha, Lam, mask, tol)
+        converged = bool(converged and distance < tol) or bool(distance < tol and resp.stable)
+    Q_hat_r, psi_r, diag = se_map(ch, Q, alpha, diagnostics=True)
     Q_hat_r = Q_hat_r * mask
     Q_hat, Q_hat_se = mean_and_stderr(Q_hat_r)
     Q_r = np.stack([q_from_q_hat(x, Lam) * mask for x in Q_hat_r])
     Q_fp = q_from_q_hat(Q_hat, Lam) * mask
-    _, Q_se = mean_and_stderr(Q_r)
+    if stop is None:
+        Q_se, response = fixed_point_stderr(resp, Q_r)
+    else:
+        (_, Q_se), response = mean_and_stderr(Q_r), None
     phi_r = np.array([free_entropy(Q_fp, Q_hat, alpha, s) for s in psi_r])
     phi, phi_se = mean_and_stderr(phi_r)
-    errs = {"layers": (1.0 - np.diag(Q_fp)).tolist(), "layers_stderr": np.diag(Q_se).tolist()}
+    errs = layer_errors(Q_fp, Q_se, mask)
     if errors:
         errs["prediction"] = prediction_errors(model, Q_fp, seed=seed)
+    if not converged and stop is None:  # (under a stop predicate the iteration ends early on purpose)
+        warnings.warn(f"state evolution at alpha = {alpha:g} did not converge in {it} iterations "
+                      f"(tol {tol:g} relative to min(Q_kk, 1 - Q_kk)); raise max_iter or damping",
+                      RuntimeWarning, stacklevel=2)
     accuracy = {**ch.den.accuracy, "samples": int(ch.points.shape[0] * ch.points.shape[1]),
                 "replicas": int(ch.points.shape[0]), "rule": "scrambled Sobol (randomised QMC)",
-                "tol": tol, "damping": damping, "max_iter": max_iter}
+                "tol": tol, "convergence": "relative to min(Q_kk, 1 - Q_kk)",
+                "perfect_resolution": PERFECT_RESOLUTION, "damping": damping, "max_iter": max_iter,
+                "Q_stderr": "replica error of the fixed point: one step's spread amplified by (I - J)^{-1}",
+                "amplification": response, "distance_to_fixed_point": distance}
     return SEResult(
         alpha=alpha, Q=Q_fp, Q_stderr=Q_se, Q_hat=Q_hat, Q_hat_stderr=Q_hat_se, errors=errs,
         free_entropy=float(phi), free_entropy_stderr=float(phi_se), iterations=it, converged=converged,
         init=init if isinstance(init, str) else "matrix", side_info=float(side_info),
         side_block=None if side_block is None else [int(i) for i in side_block], history=history,
-        accuracy=accuracy, seconds=time.perf_counter() - t0,
+        accuracy=accuracy, diagnostics=diag, seconds=time.perf_counter() - t0,
         provenance=provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,
                               parameters=dict(getattr(model, "parameters", {}))),
     )
@@ -353,13 +542,13 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
     for it in range(1, max_iter + 1):
         Q_hat_r, _ = se_map(ch, Q, alpha)
         Q_new = q_from_q_hat(Q_hat_r.mean(axis=0) * mask, Lam) * mask
-        history.append(float(np.max(np.abs(Q_new - Q))))
+        history.append(relative_step(Q, Q_new))
         # still growing out of Q ~ 0 (an uninformed start just above a threshold grows by a factor
         # alpha * rho ~ 1 per step while transients decay): not converged, whatever the step size
         # (per diagonal entry: one layer can be escaping while another is already learned)
         d_old, d_new = np.diag(Q), np.diag(Q_new)
         escaping = bool(np.any((d_new < 0.01) & (d_new > 1e-12) & (d_new > d_old * (1 + tol))))
-        if not escaping and _converged(history[start:], Q_new, tol):
+        if not escaping and _converged(history[start:], tol):
             return Q_new, it, True
         if stop is not None and stop(Q_new):
             return Q_new, it, False
@@ -411,14 +600,30 @@ def _anderson(xs, gs) -> np.ndarray:
     return sym(Q)
 
 
-def _converged(history, Q, tol) -> bool:
-    """Distance to the fixed point, extrapolated from the geometric rate of the last two steps,
-    below tol * max(max|Q|, 0.01) (relative near Q = 0, where uninformed starts begin)."""
+def error_scale(Q: np.ndarray) -> np.ndarray:
+    """Per diagonal entry, the size of what the user reads off it: min(Q_kk, 1 - Q_kk), floored
+    at LOWER_FLOOR on the lower side (the uninformed fixed point sits at exactly 0) and at
+    PERFECT_RESOLUTION on the upper side (the clipping of V = I - Q)."""
+    d = np.diag(Q)
+    return np.where(d <= 0.5, np.maximum(d, LOWER_FLOOR), np.maximum(1.0 - d, PERFECT_RESOLUTION))
+
+
+def relative_step(Q_old: np.ndarray, Q_new: np.ndarray) -> float:
+    """max_kl |Delta Q_kl| / sqrt(s_k s_l), s = :func:`error_scale` of Q_new: a step of the
+    iteration measured relative to the error 1 - Q_kk near Q = I (an absolute step says nothing
+    about 1 - Q there) and to Q_kk near Q = 0."""
+    s = np.sqrt(error_scale(Q_new))
+    return float(np.max(np.abs(Q_new - Q_old) / np.outer(s, s)))
+
+
+def _converged(history, tol) -> bool:
+    """Distance to the fixed point (in :func:`relative_step` units), extrapolated from the
+    geometric rate of the last two steps, below tol."""
     step = history[-1]
     rate = min(history[-1] / history[-2], 0.999) if len(history) > 1 and history[-2] > 0 else 0.5
     if len(history) > 1 and history[-1] > history[-2]:
         return False
-    return step / (1.0 - rate) < tol * max(float(np.max(np.abs(Q))), 0.01)
+    return step / (1.0 - rate) < tol
 
 
 def _restrict_mask(p, restrict):

@@ -203,7 +203,14 @@ class Derivation:
                 "notes": red.notes if red else [],
             },
             "denoiser_path": "exact" if red is not None else "generic (noisy channel, Delta > 0)",
+            "counting": self.counting,
         }
+
+    @functools.cached_property
+    def counting(self) -> dict:
+        """The counting bound of perfect recovery (theory section 4): m = generic rank of dy/dZ
+        and alpha_PR = p / m. See :func:`counting_rank`."""
+        return counting_rank(self)
 
 
 def _label_text(lb: IndexLabel) -> str:
@@ -624,6 +631,65 @@ def numeric_function(d: Derivation, outputs, shape, extra_defs=()):
         return np.stack(vals, axis=-1).reshape(*batch, *shape)
 
     return fn
+
+
+# singular values below COUNTING_RTOL * the largest are zero; a rank is accepted only where the
+# spectrum has a gap of at least COUNTING_GAP between the kept and the dropped values
+COUNTING_RTOL = 1e-8
+COUNTING_GAP = 1e4
+
+
+def counting_rank(d: Derivation, n_points: int = 12, seed: int = 2024) -> dict:
+    """Generic rank m of dy/dZ (the number of independent numbers one sample carries) and the
+    counting threshold alpha_PR = p / m (theory section 4).
+
+    m is the largest numerical rank of the Jacobian over ``n_points`` random Z ~ N(0, I) with
+    parameters drawn in [0.5, 2]; each rank is read off a gap of at least COUNTING_GAP in the
+    singular values (else the margin is reported as unclear). A link whose Jacobian vanishes
+    (sign, hardmax: discrete outputs) has m = 0 and is never perfectly recovered; nor is a
+    noisy one (the bound then holds only at Delta = 0, said in ``note``).
+    """
+    rng = np.random.default_rng(seed)
+    jac = d.numeric_jacobian
+    n_out = int(np.prod(d.output_shape))
+    ranks, margins = [], []
+    for _ in range(n_points):
+        Z = rng.standard_normal((d.p, d.tokens))
+        prm = rng.uniform(0.5, 2.0, size=len(d.params))
+        with np.errstate(all="ignore"):
+            J = jac(Z, prm).reshape(n_out, d.p * d.tokens)
+        if not np.all(np.isfinite(J)):
+            continue
+        s = np.linalg.svd(J, compute_uv=False)
+        if s.size == 0 or s[0] == 0.0:
+            ranks.append(0)
+            margins.append(np.inf)
+            continue
+        r = int(np.sum(s > COUNTING_RTOL * s[0]))
+        kept = s[r - 1] if r > 0 else s[0]
+        dropped = s[r] if r < s.size else 0.0
+        ranks.append(r)
+        margins.append(np.inf if dropped == 0.0 else kept / dropped)
+    if not ranks:
+        return {"m": None, "alpha_pr": None, "margin": None, "noiseless": None,
+                "note": "the Jacobian was not finite at any random point: rank not determined"}
+    m = max(ranks)
+    margin = float(min(g for r, g in zip(ranks, margins) if r == m))
+    noise = d.spec.noise
+    noiseless = not isinstance(noise, str) and float(noise) == 0.0
+    alpha_pr = d.p / m if m > 0 else None
+    if m == 0:
+        note = "dy/dZ = 0 almost everywhere (discrete output): no perfect recovery at any alpha"
+    elif isinstance(noise, str):
+        note = f"perfect recovery only at {noise} = 0 (then above alpha_PR = p/m); none with output noise"
+    elif not noiseless:
+        note = "noisy link: no perfect recovery at any alpha"
+    else:
+        note = "Bayes-optimal error > 0 for alpha < alpha_PR = p/m"
+    if margin < COUNTING_GAP:
+        note += f"; unclear rank margin (singular-value gap {margin:.3g} < {COUNTING_GAP:g})"
+    return {"m": m, "p": d.p, "alpha_pr": alpha_pr if (noiseless or isinstance(noise, str)) else None,
+            "margin": None if not np.isfinite(margin) else margin, "noiseless": noiseless, "note": note}
 
 
 def detect_symmetries(d: Derivation, n_points: int = 6, seed: int = 12345) -> list[dict]:

@@ -527,7 +527,9 @@ def threshold_by_side_information(model, *, lo: float, hi: float, block=None, le
 # ----------------------------------------------------------------------------- report
 def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=None, seed=0,
                      staircase_steps: bool = True, staircase: bool | None = None, se_samples: int = 2048,
-                     check: bool = False) -> dict:
+                     check: bool = False, perfect: bool = True, pr_samples: int = 1024) -> dict:
+    """alpha_c, the staircase and (``perfect``) the perfect-recovery transition
+    (:func:`aimsym.perfect.perfect_recovery` on ``pr_samples`` SE points)."""
     t0 = time.perf_counter()
     do_stairs = staircase_steps if staircase is None else staircase
     ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
@@ -542,8 +544,13 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
     if check and np.isfinite(ini["alpha"]):
         a = ini["alpha"]
         rep["check"] = threshold_by_side_information(model, lo=0.8 * a, hi=1.25 * a, nodes=nodes, seed=seed + 7)
+    if perfect:
+        from .perfect import perfect_recovery
+
+        rep["perfect_recovery"] = perfect_recovery(model, samples=pr_samples, replicas=replicas, seed=seed,
+                                                   nodes=nodes)
     accuracy = {**ch.den.accuracy, "samples": samples, "replicas": replicas, "se_samples": se_samples,
-                "rule": "scrambled Sobol (randomised QMC)"}
+                "pr_samples": pr_samples if perfect else None, "rule": "scrambled Sobol (randomised QMC)"}
     rep["accuracy"] = accuracy
     rep["seconds"] = time.perf_counter() - t0
     rep["provenance"] = provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,
@@ -564,8 +571,9 @@ SKIP_FLOOR = 1e-6
 
 def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, replicas: int = 8,
                 stair_samples: int = 1 << 13, se_samples: int = 1024, seed: int = 0, nodes=None,
-                stair_nodes=None, staircase: bool = True) -> dict:
-    """alpha_c and the staircase thresholds of one model at ``name = value`` (one phase-diagram point)."""
+                stair_nodes=None, staircase: bool = True, perfect: bool = False, pr_samples: int = 1024) -> dict:
+    """alpha_c and the staircase thresholds of one model at ``name = value`` (one phase-diagram
+    point); ``perfect``: also where the uninformed SE reaches Q = I (:mod:`aimsym.perfect`)."""
     import aimsym
 
     t0 = time.perf_counter()
@@ -582,10 +590,17 @@ def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, 
         for s in _staircase(model, ini["alpha"], ini["subspace"], samples=stair_samples, replicas=replicas,
                             se_samples=se_samples, nodes=n_st, seed=seed):
             steps.append({k: s[k] for k in ("subspace", "alpha", "stderr", "jump", "method")})
+    pr = None
+    if perfect:
+        from .perfect import perfect_recovery
+
+        full = perfect_recovery(model, samples=pr_samples, replicas=replicas, seed=seed, nodes=n_st)
+        pr = {k: full.get(k) for k in ("alpha", "stderr", "kind", "counting_alpha", "local_alpha",
+                                       "local_alpha_stderr", "trace_Pi", "trace_Pi_stderr", "m")}
     accuracy = {"samples": samples, "stair_samples": stair_samples, "se_samples": se_samples,
                 "replicas": replicas, "nodes_initial": n_ini, "nodes_staircase": n_st,
-                "rule": "scrambled Sobol (randomised QMC)"}
-    return {name: float(value), "evaluated_at": used, "note": note, "staircase": steps,
+                "pr_samples": pr_samples if perfect else None, "rule": "scrambled Sobol (randomised QMC)"}
+    return {name: float(value), "evaluated_at": used, "note": note, "staircase": steps, "perfect_recovery": pr,
             "direction": ini["direction"].tolist(), "seconds": time.perf_counter() - t0,
             "provenance": provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,
                                      parameters=dict(model.parameters))}
@@ -617,6 +632,13 @@ def phase_diagram(model_path, name: str, values, *, workers=None, progress: bool
 def phase_rows(pd: dict) -> list[dict]:
     """Flatten a :func:`phase_diagram` result to plot rows {"skip", "alpha", "stderr", "step"}."""
     name = pd["parameter"]
-    return [{"skip": pt[name], "alpha": s["alpha"], "stderr": s["stderr"], "step": i,
+    rows = [{"skip": pt[name], "alpha": s["alpha"], "stderr": s["stderr"], "step": i,
              "subspace": s["subspace"], "jump": bool(s.get("jump", False))}
             for pt in pd["points"] for i, s in enumerate(pt["staircase"])]
+    # the perfect-recovery transition as one more curve, after the staircase's steps
+    last = max((r["step"] for r in rows), default=-1) + 1
+    rows += [{"skip": pt[name], "alpha": pr["alpha"], "stderr": pr["stderr"], "step": last, "subspace": None,
+              "jump": pr["kind"] == "jump", "perfect": True}
+             for pt in pd["points"] if (pr := pt.get("perfect_recovery")) and pr.get("alpha") is not None
+             and np.isfinite(pr["alpha"])]
+    return rows

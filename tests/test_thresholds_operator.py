@@ -342,7 +342,8 @@ def test_phase_diagram_point_at_zero_skip_and_plot(tmp_path):
 
 def test_cli_phase_diagram_small(tmp_path):
     out = subprocess.run([sys.executable, "-m", "aimsym.cli", "thresholds", str(DER / "attention_L2_T2.toml"),
-                          "--over", "skip=1,4", "--samples", "2048", "--no-staircase", "--workers", "1",
+                          "--over", "skip=1,4", "--samples", "2048", "--no-staircase", "--no-perfect-recovery",
+                          "--workers", "1",
                           "--out", str(tmp_path / "new" / "pd.json"), "--figure", str(tmp_path / "fig" / "pd.png"), "--json"],
                          capture_output=True, text=True, check=True)
     d = json.loads(out.stdout)

@@ -1,0 +1,209 @@
+"""The LaTeX export: the model in the paper's notation, a clean printer, pasteable parts, and
+documents that compile (pdflatex, where installed) without errors or lines off the page."""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import sympy as sp
+
+import aimsym
+from aimsym import codegen
+from aimsym import spec as S
+from aimsym.latex import PARTS, document, front, part
+from aimsym.latexutil import broken_lines, tex_width
+from aimsym.symbolic import derive
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "aimsym.cli", *args], capture_output=True, text=True)
+
+
+BUNDLED = sorted(p.stem for p in (codegen.REPO_ROOT / "derivations").glob("*.toml"))
+
+
+def _derivation(name: str):
+    return aimsym.load(codegen.REPO_ROOT / "derivations" / f"{name}.toml").derivation
+
+
+@functools.lru_cache(maxsize=None)
+def _document(name: str) -> str:
+    """The full document of a bundled model (rendered once: two tests read it)."""
+    return document(_derivation(name))
+
+
+def _fresh():
+    """A model declared here, not bundled: three untied layers, two heads each, T = 3."""
+    return derive(S.make_attention(tokens=3, layers=3, tied=False, heads=2, skip="c", beta="beta",
+                                   name="fresh_L3_T3_untied_heads2"))
+
+
+def test_two_layer_model_is_stated_as_in_the_paper():
+    """A(z_1) = softmax(z_1 z_1^T) + c I, h = A(z_1) z_2, y = softmax(h h^T) (theory section 2)."""
+    text = front(_derivation("attention_L2_T2"))
+    assert r"A_{1}(z_{1}) &= \operatorname{softmax}\big(z_{1} z_{1}^\top\big) + c\, I" in text
+    assert r"h &= A_{1}\, z_{2}" in text
+    assert r"y &= \operatorname{softmax}\big(h h^\top\big)" in text
+    # the reduction: z_2 solved as +-A_1(u)^{-1} h, a 2-dimensional integral over u = z_1
+    assert r"z_{2} &= s\, A_{1}(u)^{-1} h" in text and r"\int_{\mathbb R^{2}}" in text
+    assert r"z_{1} \mapsto -z_{1}" in text and r"z_{2} \mapsto -z_{2}" in text
+
+
+def test_three_layers_and_parameters_follow_the_spec():
+    """Three layers: B = A_2 A_1 (the paper's A(A(z_1) z_2) A(z_1)), y = softmax((B z_3)(B z_3)^T);
+    a symbolic beta and numeric skips print as factors, a unit one does not."""
+    text = front(_derivation("attention_L3_T2"))
+    assert r"M_{2} &= A_{2}\, A_{1}" in text and r"h &= M_{2}\, z_{3}" in text
+    assert r"A_{2}(z_{1}, z_{2}) &= \operatorname{softmax}\big(h^{(2)} {h^{(2)}}^\top\big) + c\, I" in text
+    d = derive(S.make_attention(tokens=2, layers=2, skip=[0.5, 1.0], beta="beta", activation=["linear", "softmax"]))
+    text = front(d)
+    assert r"A_{1}(z_{1}) &= \beta\, z_{1} z_{1}^\top + \frac{1}{2}\, I" in text
+    assert r"y &= \operatorname{softmax}\big(\beta\, h h^\top\big)" in text
+    text = front(_fresh())
+    assert r"q^{(3,2)} &= M_{2}\, z_{3}^{Q(2)}, \quad k^{(3,2)} = M_{2}\, z_{3}^{K(2)}" in text
+    assert r"\frac{1}{2}\Big(" in text and "No exact reduction" in text
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_printer_leaves_no_artefacts(name):
+    """No /1 or 1\\, from a unit beta, no escaped code in prose, one index convention (1-based)."""
+    text = _document(name)
+    body = text.split(r"\end{center}", 1)[1]  # past the title, which names the file
+    assert "/1 " not in body and "/1$" not in body and not re.search(r"(?<![0-9.{])1\\,", body)
+    for code in (r"\_", r"\textasciicircum", r"\textbackslash", "->", "<="):
+        assert code not in body, code
+    assert not re.search(r"[\x00-\x08\x0b-\x1f]", text)  # e.g. "\f" of a non-raw "\frac"
+    for zero_based in ("z_{0", "h_{0", "y_{0", r"\partial_{0}", "V_{00}", r"\ell_{0"):
+        assert zero_based not in body, zero_based
+
+
+def test_symbolic_beta_is_printed_where_it_acts():
+    text = front(_derivation("attention_L1_T2"))
+    assert r"y &= \operatorname{softmax}\big(\beta\, z_{1} z_{1}^\top\big)" in text
+    assert r"\beta\, h_a (h_b - h_a)" in text and r"N_{ab} = \frac{\ell_{1a} - \ell_{a1} + \ell_{ab}}{\beta}" in text
+
+
+def test_appendix_holds_the_program_and_can_be_left_out(tmp_path):
+    d = _derivation("attention_L2_T2")
+    full, short = document(d), document(d, appendix=False)
+    assert "Appendix A" in full and r"\partial_{z_{1,1}}" in full and r"S^{(2)}_{11}" in full
+    assert "Appendix" not in short and r"\partial_{z" not in short and len(short) < len(full) / 3
+    # the Jacobian section does not repeat the link's program
+    jac = full[full.index("Appendix B"):full.index("Appendix C")]
+    assert jac.count(r"\frac{\partial y_") == 1  # one line with generic indices, not one per entry
+    assert r"\frac{\partial y_{ab}}{\partial z_{k,t}} &= \partial_{z_{k,t}} S^{(2)}_{ab}" in jac
+    assert "\nS^{(1)}_{11} &=" not in jac and "\nS^{(1)}_{11} &=" in full and r"\partial_{z_{1,1}}S^{(1)}_{11} &=" in jac
+    tex = tmp_path / "L2.tex"
+    r = run_cli("derive", str(codegen.REPO_ROOT / "derivations" / "attention_L2_T2.toml"), "--latex", str(tex),
+                "--no-appendix")
+    assert r.returncode == 0, r.stderr
+    assert tex.read_text() == short
+
+
+def test_latex_part_writes_one_align_block(tmp_path):
+    path = str(codegen.REPO_ROOT / "derivations" / "attention_L2_T2.toml")
+    r = run_cli("derive", path, "--latex-part", "reduction")
+    assert r.returncode == 0, r.stderr
+    block = r.stdout
+    assert block.startswith("\\begin{align}\n") and block.endswith("\\end{align}\n")
+    assert block.count("\\begin{align}") == 1 and r"Z_{\rm out}(y;\omega,V)" in block
+    assert block == part(_derivation("attention_L2_T2"), "reduction")
+    tex = tmp_path / "model.tex"
+    assert run_cli("derive", path, "--latex-part", "model", "--latex", str(tex)).returncode == 0
+    assert tex.read_text() == part(_derivation("attention_L2_T2"), "model")
+    # the CLI offers exactly the parts the module has
+    r = run_cli("derive", path, "--latex-part", "nope")
+    assert r.returncode == 2 and all(name in r.stderr for name in PARTS)
+
+
+def test_long_sums_are_broken_between_terms():
+    x = sp.symbols("x0:40", real=True)
+    e = sp.Add(*[sp.exp(x[i]) * x[i + 1] for i in range(0, 40, 2)])
+    lines = broken_lines("y", e, {}, 60)
+    assert len(lines) > 2 and lines[0].startswith("y &= ") and all(ln.startswith(r"&\quad") for ln in lines[1:])
+    assert all(tex_width(ln) <= 60 for ln in lines)
+    assert sum(ln.count("e^{") for ln in lines) == 20  # every term once
+    # a quotient with a long numerator keeps the denominator as a prefactor
+    q = broken_lines("z", e / (x[0] + x[1]), {}, 60)
+    assert q[0].startswith(r"z &= \frac{1}{x_{0} + x_{1}}\Big(") and q[-1].endswith(r"\Big)")
+    assert tex_width(r"\frac{a}{bbbb}") == pytest.approx(4.4)
+
+
+# ----------------------------------------------------------------------------- pdflatex
+
+_PDFLATEX = shutil.which("pdflatex")
+# geometry margin=2cm: a box sticking out by more than the margin runs off the paper
+_MARGIN_PT = 56.9
+
+
+def _compile(tex_text: str, tmp_path, stem: str) -> str:
+    (tmp_path / f"{stem}.tex").write_text(tex_text)
+    r = subprocess.run([_PDFLATEX, "-interaction=nonstopmode", "-halt-on-error", f"{stem}.tex"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    log = (tmp_path / f"{stem}.log").read_text(errors="replace")
+    errors = [ln for ln in log.splitlines() if ln.startswith("!")]
+    assert r.returncode == 0 and not errors, "\n".join(errors) or r.stdout[-2000:]
+    return log
+
+
+def _overfull(log: str) -> list[float]:
+    return [float(w) for w in re.findall(r"Overfull \\hbox \(([0-9.]+)pt too wide\)", log)]
+
+
+@pytest.mark.skipif(_PDFLATEX is None, reason="no pdflatex on this machine")
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_derivation_compiles(name, tmp_path):
+    log = _compile(_document(name), tmp_path, name)
+    assert all(w < _MARGIN_PT for w in _overfull(log)), _overfull(log)
+
+
+@pytest.mark.skipif(_PDFLATEX is None, reason="no pdflatex on this machine")
+def test_two_layer_front_fits_one_page_and_fresh_model_compiles(tmp_path):
+    log = _compile(document(_derivation("attention_L2_T2"), appendix=False), tmp_path, "L2")
+    assert re.search(r"Output written on L2\.pdf \(1 page", log) and not _overfull(log)
+    log = _compile(document(_fresh(), appendix=False), tmp_path, "fresh")
+    assert not _overfull(log)
+    # the pasteable parts compile inside a bare document
+    d = _derivation("attention_L2_T2")
+    body = "".join(part(d, name) for name in PARTS)
+    log = _compile("\\documentclass{article}\n\\usepackage{amsmath,amssymb}\n\\usepackage[margin=2cm]{geometry}\n"
+                   "\\allowdisplaybreaks\n\\begin{document}\n" + body + "\\end{document}\n", tmp_path, "parts")
+    assert all(w < _MARGIN_PT for w in _overfull(log))
+
+
+_CORNERS = {
+    "tokens_noise": dict(tokens=2, layers=2, output="tokens", skip="c", noise="Delta"),
+    "rank2": dict(tokens=3, layers=2, rank=[2, 1], skip=0.5),
+    "split_readout": dict(tokens=2, layers=2, heads=[2, 1], head_mode="split", readout=[[0.3, 0.7], [1.0]]),
+    "linear": dict(tokens=2, layers=2, activation="linear", beta="beta"),
+}
+
+
+@pytest.mark.skipif(_PDFLATEX is None, reason="no pdflatex on this machine")
+@pytest.mark.parametrize("corner", sorted(_CORNERS))
+def test_front_of_declared_corner_cases_compiles(corner, tmp_path):
+    """Spec features no bundled model has (sequence output with noise, rank two, head readout
+    weights, linear attention) print and compile."""
+    d = derive(S.make_attention(name=corner, **_CORNERS[corner]))
+    text = document(d, appendix=False)
+    assert r"\_" not in text.split(r"\end{center}", 1)[1]
+    log = _compile(text, tmp_path, corner)
+    assert not _overfull(log)
+    expect = {"tokens_noise": r"y &= M_{2}", "rank2": r"\mathbb R^{T\times r_l}",
+              "split_readout": r"\frac{3}{10}\, \operatorname{softmax}", "linear": r"y &= \beta\, h h^\top"}
+    assert expect[corner] in text
+
+
+@pytest.mark.parametrize("name, text", [
+    ("attention_L2_T2", r"\alpha_{\rm PR} = p/m = 1$"),
+    ("attention_L2_T3", r"\alpha_{\rm PR} = p/m = \frac{2}{3}$"),
+    ("glm_sign", "never recovered perfectly"),
+])
+def test_front_states_the_counting_bound(name, text):
+    """The SMI-form section states m and alpha_PR = p/m from the derivation's counting rank."""
+    doc = document(_derivation(name), appendix=False)
+    assert "Counting: $m = " in doc and text in doc
