@@ -235,8 +235,8 @@ def tail_scaled(ch: Channel, scale: float) -> tuple[Channel, np.ndarray]:
 
 
 # Denoiser nodes of the Q = 0 operator (one pass, so cheap) where the SE default biases alpha_c
-# beyond its reweighted QMC error: 1-D, y = z0 z1, same points: 40 nodes +2.8e-4 (3.2 stderr),
-# 60: -7e-6, 80: +9e-6, 120: +5e-7 against the closed-form denoiser (docs/se.md).
+# beyond its reweighted QMC error: 1-D, y = z0 z1, same points, against the closed-form denoiser:
+# 40 nodes +1.0e-4 (1.2 stderr; +2.8e-4 without the SE's error control), 120: +1.4e-7.
 THRESHOLD_NODES = {1: 120}
 
 
