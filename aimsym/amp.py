@@ -212,6 +212,8 @@ def run_amp(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, lam: 
 
     if not (isinstance(seeds, int | np.integer) and seeds >= 1):
         raise AimsymError("seeds", f"must be a positive integer, got {seeds!r}")
+    if isinstance(seed, int | np.integer) and seed < 0:
+        raise AimsymError("seed", f"must be an integer >= 0, got {seed!r}")
     if den is None:
         den = model.denoiser(nodes=nodes if nodes is not None else default_nodes(model))
     n_test = n_test if n_test is not None else min(2000, max(200, int(round(alpha * d))))
@@ -238,11 +240,21 @@ def run_amp(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, lam: 
         traces.append(tr)
     if bar is not None:
         bar.close()
-    return summarise(model, traces, den=den, settings={
+    out = summarise(model, traces, den=den, settings={
         "d": d, "alpha": alpha, "n": int(round(alpha * d)), "n_test": n_test, "seeds": seeds, "lambda": lam,
         "damping": damping, "max_iter": max_iter, "tol": tol, "min_iter": min_iter, "init_scale": init_scale,
     }, provenance_record=provenance(seed=seed, model_hash=model.hash(), accuracy=den.accuracy,
                                    seeds_spawned=seeds))
+    stalled = sum(1 for tr in traces if not tr.converged)
+    if stalled:
+        import warnings
+
+        from .errors import ConvergenceWarning
+
+        warnings.warn(ConvergenceWarning(
+            f"GAMP: {stalled} of {seeds} runs stopped at max_iter = {max_iter} before the rms change of W_hat "
+            f"fell below tol = {tol:g} (converged = false); raise max_iter or damping"), stacklevel=2)
+    return out
 
 
 def summarise(model, traces: list[AMPTrace], *, den=None, settings=None, provenance_record=None) -> dict:

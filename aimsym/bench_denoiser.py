@@ -1,12 +1,16 @@
 """Benchmark of the compiled denoiser against a straightforward scipy ``nquad`` evaluation.
 
     python -m aimsym.bench_denoiser [--batch 100000] [--skip-nquad]
+    python -m aimsym.bench_denoiser --modal-only [--modal-batch 8] [--modal-tol 1e-8]
 
 Measures, in one run: CPU time per evaluation of (g_out, dg_out, log_z_out) single-threaded
 for the old (Legendre) and new (mapped) polar rules and Gauss-Hermite, in each SE regime, with
 the error against a converged reference; a batch on all cores; the three-layer T = 2 and
 two-layer T = 3 models; and one nquad evaluation of the same quantities (log Z, E[Z | y];
-tolerance 1e-10) for the ratio. Prints the load average (shared machines).
+tolerance 1e-10) for the ratio. ``--modal`` / ``--modal-only``: the mode-centred adaptive rule
+(``rule="modal"``) on the k = 3 and 4 models at SE-regime points, with the error against the same
+rule at a 100x smaller tol and against the independent Gauss-Kronrod cubature of
+tests/modal_reference.py at one point. Prints the load average (shared machines).
 """
 
 from __future__ import annotations
@@ -112,7 +116,17 @@ def main(argv=None):
     ap.add_argument("--per", type=int, default=8, help="points per SE regime")
     ap.add_argument("--skip-nquad", action="store_true")
     ap.add_argument("--skip-others", action="store_true", help="skip the three-layer and T = 3 models")
+    ap.add_argument("--modal", action="store_true", help="also benchmark rule='modal' (k = 3, 4)")
+    ap.add_argument("--modal-only", action="store_true", help="only benchmark rule='modal'")
+    ap.add_argument("--modal-batch", type=int, default=8, help="SE-regime points per model for rule='modal'")
+    ap.add_argument("--modal-tol", type=float, default=1e-8)
+    ap.add_argument("--modal-models", default="attention_L2_T3,attention_L3_T2,attention_L2_T2_heads2")
+    ap.add_argument("--modal-reference", action="store_true", help="also time the independent cubature (1 point)")
     args = ap.parse_args(argv)
+    if args.modal or args.modal_only:
+        bench_modal(args)
+        if args.modal_only:
+            return
     rng = np.random.default_rng(0)
     m = aimsym.load(ROOT / "attention_L2_T2.toml", skip=1.0)
     print(f"threads available: {numba.config.NUMBA_NUM_THREADS}; {_load()}")
@@ -208,6 +222,50 @@ def main(argv=None):
                   f"|g_out - g_nquad| / |g| = {np.max(np.abs(out.g_out[0] - g_nq)) / np.max(np.abs(g_nq)):.1e}")
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     print(_load())
+
+
+def bench_modal(args):
+    """rule='modal' per evaluation (one thread, CPU time) on SE-regime points: omega ~ N(0, Q),
+    Z ~ N(omega, I - Q), Q = 0.4 I; error against the same rule at tol / 100 (and its own
+    estimate), and optionally against the independent cubature at the first point."""
+    import sys
+
+    numba.set_num_threads(1)
+    print(f"rule='modal', tol {args.modal_tol:g}, {args.modal_batch} SE points (Q = 0.4 I), 1 thread; {_load()}")
+    for name in args.modal_models.split(","):
+        m = aimsym.load(ROOT / f"{name}.toml", c=1.0)
+        p, T = m.p, m.tokens
+        rng = np.random.default_rng(17)
+        n = args.modal_batch
+        V = 0.6 * np.eye(p)
+        om = np.sqrt(0.4) * rng.standard_normal((n, p, T))
+        Z = om + np.sqrt(0.6) * rng.standard_normal((n, p, T))
+        obs = m.observation(Z)
+        den = m.denoiser(rule="modal", tol=args.modal_tol)
+        den(None, om[:1], V, obs=obs[:1])  # compile / load
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            t, out = _timed(lambda: den(None, om, V, obs=obs), repeat=1, clock=time.process_time)
+            ref = m.denoiser(rule="modal", tol=args.modal_tol / 100, max_regions=400_000)(None, om, V, obs=obs)
+        e = np.maximum(_rel_err(out, ref), np.abs(out.log_z_out - ref.log_z_out))
+        print(f"  {name} (k = {den.dim}): {1e3 * t / n:.1f} ms CPU per evaluation, median evaluations "
+              f"{np.median(out.ess):.0f}; error vs tol/100: max {e.max():.1e}; estimate max {out.error.max():.1e}; "
+              f"actual <= estimate at {np.mean(e <= out.error + ref.error):.0%} of points", flush=True)
+        if args.modal_reference:
+            sys.path.insert(0, str(ROOT.parent / "tests"))
+            from modal_reference import h_of, outputs, reference
+
+            h = h_of(name, Z[0], 1.0)
+            t0 = time.process_time()
+            lz, mean, second, status = reference(name, h, om[0], V, 1.0, rtol=args.modal_tol / 10)
+            t_ref = time.process_time() - t0
+            g, dg = outputs(V, om[0], mean, second)
+            o1 = den(None, om[:1], V, obs=h[None])
+            err = max(np.abs(o1.g_out[0] - g).max() / max(1, np.abs(g).max()),
+                      np.abs(o1.dg_out[0] - dg).max() / max(1, np.abs(dg).max()), abs(o1.log_z_out[0] - lz))
+            print(f"    independent cubature (gk21, rtol {args.modal_tol / 10:g}, {status}): {t_ref:.1f} s CPU, "
+                  f"ratio {t_ref / (t / n):.1f}; modal vs it: {err:.1e} (estimate {o1.error[0]:.1e})", flush=True)
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
 
 
 if __name__ == "__main__":

@@ -174,13 +174,25 @@ class Denoiser:
 
     def __init__(self, model, *, nodes: int | None = None, adapt: int | None = None, inflate: float = 1.0,
                  polar: tuple[int, int] | None | str = "auto", check_tol: float = GH_CHECK_TOL,
-                 tol: float | None | str = "auto", polar_map: str = DEFAULT_POLAR_MAP):
+                 tol: float | None | str = "auto", polar_map: str = DEFAULT_POLAR_MAP, rule: str = "auto",
+                 max_regions: int | None = None):
         # an explicit Gauss-Hermite size is a request for that rule (e.g. the solvers' fast
         # low-accuracy settings); the polar rule is the default only when neither is given
         defaults = nodes is None and isinstance(polar, str)
         if polar_map not in DEFAULT_POLAR:
             raise ChannelError("polar_map", f"must be one of {sorted(DEFAULT_POLAR)}; got {polar_map!r}")
         self.polar_map = polar_map
+        # rule="modal": the mode-centred adaptive cubature (``aimsym.modal``) on the exact path,
+        # any reduced dimension, always error-controlled (tol defaults to DEFAULT_TOL)
+        if rule not in ("auto", "modal"):
+            raise ChannelError("rule", f"must be 'auto' or 'modal'; got {rule!r}")
+        self.rule = rule
+        from .modal import MAX_REGIONS
+        if max_regions is None:
+            max_regions = MAX_REGIONS
+        if isinstance(max_regions, bool) or not (isinstance(max_regions, int | np.integer) and max_regions >= 1):
+            raise ChannelError("max_regions", f"must be a positive integer, got {max_regions!r}")
+        self.max_regions = int(max_regions)
         if isinstance(polar, str):
             if polar != "auto":
                 raise ChannelError("polar", f"must be (angle nodes, radial nodes), None or 'auto'; got {polar!r}")
@@ -193,6 +205,9 @@ class Denoiser:
         self.path = {"noisy": "generic", "halfspace": "closed-form",
                      "hardmax-wedge": "closed-form",
                      "hardmax-wedge-mixed": "exact"}.get(self.kernels.PATH, "exact")
+        if rule == "modal" and not (self.path == "exact" and self.kernels.PATH == "attention-rank1" and self.dim > 0):
+            raise ChannelError("rule", f"'modal' needs an exact reduction with free entries (model {model.name!r} has "
+                                       f"path {self.kernels.PATH!r}, {self.dim} free entries)")
         if self.path == "generic" and not model.noise > 0:
             raise ChannelError(
                 "noise",
@@ -223,7 +238,7 @@ class Denoiser:
         if isinstance(tol, str):
             if tol != "auto":
                 raise ChannelError("tol", f"must be a positive number, None or 'auto'; got {tol!r}")
-            tol = DEFAULT_TOL if (defaults and self.path == "exact" and self.dim > 0) else None
+            tol = DEFAULT_TOL if ((defaults or rule == "modal") and self.path == "exact" and self.dim > 0) else None
         self.tol = _check_tol(tol)
         self._rule_cache = {}
         self._tables = {}  # node tables of the mapped polar rule per rule size (``_node_tables``)
@@ -241,7 +256,8 @@ class Denoiser:
                 "polar_radius_grid": (f"2^(k/{self.kernels.POLAR_GRID})"
                                       if self.polar and self.polar_map == "sinh" else None),
                 "gh_check_tol": self.check_tol if self.polar else None, "tol": self.tol,
-                "max_refine": MAX_REFINE,
+                "max_refine": MAX_REFINE, "rule": self.rule,
+                "max_regions": self.max_regions if self.rule == "modal" else None,
                 # the polar domain is sized on the posterior of u (``_sized_run``)
                 "polar_domain": ({"edge_tol": EDGE_TOL, "growth": DOMAIN_GROWTH, "max_growth": MAX_DOMAIN_GROWTH,
                                   "fits": DOMAIN_FITS, "posterior_off_sd": POSTERIOR_OFF} if self.polar else None)}
@@ -307,6 +323,19 @@ class Denoiser:
             raise ChannelError("omega", "contains NaN or infinite entries")
         if not np.all(np.isfinite(V)):
             raise ChannelError("V", "contains NaN or infinite entries")
+        asym = float(np.max(np.abs(V - np.swapaxes(V, -1, -2)), initial=0.0))
+        if asym > 1e-8 * max(1.0, float(np.max(np.abs(V), initial=0.0))):  # (the kernels read one triangle)
+            raise ChannelError("V", f"must be symmetric, got max |V - V^T| = {asym:.3g}; pass (V + V^T) / 2")
+        lead = [omega.shape[:-2], V.shape[:-2]]
+        if obs is not None:
+            lead.append(np.shape(obs)[:-1])
+        elif y is not None:
+            lead.append(np.shape(y)[:max(0, np.ndim(y) - len(self.model.output_shape))])
+        try:
+            np.broadcast_shapes(*lead)
+        except ValueError:
+            raise ChannelError("y", f"batch shapes do not match: y (or obs) {lead[-1] if len(lead) > 2 else ()}, "
+                                    f"omega {lead[0]}, V {lead[1]}; they must be equal or broadcast") from None
         tol = self.tol if (isinstance(tol, str) and tol == "default") else _check_tol(tol)
         if isinstance(max_refine, bool) or not (isinstance(max_refine, int | np.integer) and 0 <= max_refine <= 10):
             raise ChannelError("max_refine", f"must be an integer in 0..10, got {max_refine!r}")
@@ -328,6 +357,8 @@ class Denoiser:
         else:
             V_f = np.ascontiguousarray(np.broadcast_to(V, (*batch, p, p)).reshape(-1, p, p))
         V_f = 0.5 * (V_f + np.swapaxes(V_f, 1, 2))
+        if self.rule == "modal":
+            return self._modal(obs_f, om_f, V_f, batch, DEFAULT_TOL if tol is None else tol)
         g, dg, extra, dom = self._sized_run(obs_f, om_f, V_f, self._rules(0))
         err = None
         if error or tol is not None:
@@ -364,6 +395,23 @@ class Denoiser:
             path=self.path,
             polar=(extra[:, 1] < 0).reshape(batch),
         )
+
+    def _modal(self, obs, omega, V, batch, tol) -> DenoiserOutput:
+        """The mode-centred adaptive cubature (``aimsym.modal``): every sample is controlled to
+        tol, up to the region budget; the estimate is always returned."""
+        from . import modal
+
+        p, T = self._pT
+        g, dg, lz, err, evals, hit, status = modal.run(self.kernels, obs, omega, V, self.params, tol=tol,
+                                                       max_regions=self.max_regions)
+        self._raise(status)
+        if np.any(~(err <= tol)):
+            warnings.warn(f"denoiser: {int(np.sum(~(err <= tol)))} of {len(err)} samples did not reach tol={tol:g} "
+                          f"(largest estimated error {np.nanmax(err):.1e}; {int(np.sum(hit))} stopped at the budget of "
+                          f"max_regions={self.max_regions})", RuntimeWarning, stacklevel=3)
+        return DenoiserOutput(g_out=g.reshape(*batch, p, T), dg_out=dg.reshape(*batch, p, T, p, T),
+                              log_z_out=lz.reshape(batch), ess=evals.reshape(batch), error=err.reshape(batch),
+                              path=self.path)
 
     def _halfspace(self, y, omega, V) -> DenoiserOutput:
         """y = sign(z_k) (T = 1): Gaussian truncated to y z_k > 0, in closed form."""

@@ -171,8 +171,10 @@ def cmd_phase_diagram(args) -> int:
         raise AimsymError("--over", f"expected NAME=START:STOP:NUM or NAME=V1,V2,..., got {args.over!r}")
     if args.set:
         raise AimsymError("--set", "not supported together with --over (one swept parameter)")
-    load_model(args)  # checks the file
-    values = parse_grid(grid)
+    model = load_model(args)  # checks the file
+    values = parse_grid(grid, "--over")
+    for v in values:  # every value is a valid binding (e.g. beta = 0 refused) before any work
+        model.with_values(**{name.strip(): v})
     pd = phase_diagram(args.model, name.strip(), values, workers=args.workers, progress=not args.json,
                        samples=args.samples, replicas=args.replicas, stair_samples=args.stair_samples,
                        se_samples=args.se_samples, seed=args.seed, nodes=args.nodes,

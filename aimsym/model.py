@@ -7,13 +7,18 @@ symbols), so one compiled module serves every value; values are passed at run ti
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from . import spec as spec_mod
-from .errors import SpecError
+from .errors import AimsymError, SpecError
+
+# the one-off compilation notice (see Model.compile_notice); sweep workers turn it off
+COMPILE_NOTICE = True
+_NOTICED: set[str] = set()
 from .spec import AttentionSpec, Spec
 
 
@@ -51,6 +56,7 @@ class Model:
     def with_values(self, **values) -> "Model":
         merged = dict(self.values)
         merged.update(spec_mod.resolve_values(self.spec, values))
+        spec_mod.check_values(self.spec, merged)
         return Model(self.spec, tuple(sorted(merged.items())))
 
     # ------------------------------------------------------------------ stages
@@ -62,9 +68,39 @@ class Model:
 
     @functools.cached_property
     def kernels(self):
-        from .codegen import load_kernels
+        from .codegen import cache_dir, load_kernels
 
-        return load_kernels(self.spec)
+        try:
+            return load_kernels(self.spec)
+        except OSError as exc:  # the generated module could not be written (e.g. a read-only HOME)
+            where = exc.filename or cache_dir()
+            raise AimsymError("cache", f"cannot write the kernels of {self.name} to {where} ({exc.strerror}); "
+                                       "set AIMSYM_CACHE to a writable folder") from None
+        except RuntimeError as exc:
+            if "cannot cache" not in str(exc):
+                raise
+            raise AimsymError("cache", f"numba finds no writable folder for the compiled kernels of {self.name}; "
+                                       "set NUMBA_CACHE_DIR to a writable folder") from None
+
+    def compile_notice(self, kernel: str = "denoise_batch") -> bool:
+        """Print 'compiling kernels for NAME, once' (once per process) when numba's cache holds no
+        compiled code of this model's module yet: a model's first use costs tens of seconds of
+        compilation. ``kernel``: any njit function of the module (it locates the cache folder)."""
+        key = self.spec.hash()
+        if not COMPILE_NOTICE or key in _NOTICED:
+            return False
+        _NOTICED.add(key)  # (checked once per process, whatever the outcome: link() calls this often)
+        fn = getattr(self.kernels, kernel, None)
+        try:
+            folder = Path(fn._cache._cache_path)  # where numba keeps this module's compiled code
+        except AttributeError:
+            return False
+        stem = Path(self.kernels.__file__).stem
+        if any(folder.glob(f"{stem}.*.nbi")):  # compiled before (at least in part)
+            return False
+        sys.stderr.write(f"aimsym: compiling kernels for {self.name}, once (cached for later runs)\n")
+        sys.stderr.flush()
+        return True
 
     def params_array(self) -> np.ndarray:
         names = self.spec.parameters()
@@ -90,6 +126,7 @@ class Model:
     def link(self, Z) -> np.ndarray:
         """y = g(Z) for Z of shape (..., p, T), by the generated kernel."""
         batch, flat = self._flat(Z)
+        self.compile_notice("link_batch")
         out = np.empty((flat.shape[0], *self.kernels.LINK_SHAPE))
         self.kernels.link_batch(flat, self.params_array(), out)
         return out.reshape(*batch, *self.output_shape)
@@ -123,6 +160,7 @@ class Model:
         return Z, y
 
     def denoiser(self, **accuracy):
+        self.compile_notice("denoise_batch")
         if self.kernels.PATH == "hardmax-wedge-mixed":  # hardmax last layer after a first layer
             from .hardmax_channel import HardmaxMixedDenoiser
 

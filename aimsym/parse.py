@@ -31,6 +31,10 @@ FUNCTIONS = {
     "min": sp.Min,
 }
 CONSTANTS = {"pi": sp.pi, "E": sp.E}
+# deeper trees than any model needs; beyond this Python's parser and SymPy recurse past their limits
+MAX_DEPTH = 100
+# a numeric exponent larger than this is refused: 2**2**2**2**2**2 would be evaluated exactly
+MAX_EXPONENT = 1000
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.Pow: operator.pow}
 
@@ -45,10 +49,17 @@ def parse_expression(text: str, *, indices: int, tokens: int, parameters, fld: s
         raise SpecError(fld, f"expected an expression string, got {text!r}")
     if len(text) > 4000:
         raise SpecError(fld, "expression too long (4000 characters at most)")
+    shown = text if len(text) <= 60 else text[:40] + "..." + text[-12:]
+    too_deep = SpecError(fld, f"expression nested too deeply (at most {MAX_DEPTH} levels of operators, "
+                              f"signs, calls or parentheses): {shown!r}")
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as exc:
-        raise SpecError(fld, f"not a valid expression ({exc.msg}): {text!r}") from None
+        raise SpecError(fld, f"not a valid expression ({exc.msg}): {shown!r}") from None
+    except (RecursionError, MemoryError):
+        raise too_deep from None
+    if _depth(tree) > MAX_DEPTH:
+        raise too_deep
     params = {name: sp.Symbol(name, real=True) for name in parameters}
     allowed = "z[k, t], " + ", ".join(sorted(params) + sorted(CONSTANTS) + [f + "()" for f in sorted(FUNCTIONS)])
 
@@ -61,7 +72,10 @@ def parse_expression(text: str, *, indices: int, tokens: int, parameters, fld: s
         if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
             return sp.nsimplify(node.value) if isinstance(node.value, int) else sp.Float(node.value)
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](conv(node.left), conv(node.right))
+            left, right = conv(node.left), conv(node.right)
+            if isinstance(node.op, ast.Pow) and right.is_number and not abs(right) <= MAX_EXPONENT:
+                raise SpecError(fld, f"a numeric exponent must be at most {MAX_EXPONENT} in size, got {right}")
+            return _BINOPS[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
             v = conv(node.operand)
             return -v if isinstance(node.op, ast.USub) else v
@@ -90,7 +104,20 @@ def parse_expression(text: str, *, indices: int, tokens: int, parameters, fld: s
             return FUNCTIONS[node.func.id](*[conv(a) for a in node.args])
         raise bad(f"the construct {type(node).__name__!r}")
 
-    return conv(tree)
+    try:
+        return conv(tree)
+    except RecursionError:
+        raise too_deep from None
+
+
+def _depth(tree) -> int:
+    """Depth of an ast tree, without recursion."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        stack.extend((child, d + 1) for child in ast.iter_child_nodes(node))
+    return deepest
 
 
 def parse_link(spec) -> sp.Matrix | sp.Expr:

@@ -35,8 +35,8 @@ from .se import Channel, make_channel, mean_and_stderr, sqrt_psd, state_evolutio
 # the V -> 0 limit is taken at tr V / p = PI_SCALE, with the shape's eigenvalues kept above
 # PI_MIN_RATIO times the largest (so V stays above the SE's clipping of 1 - Q at 1e-9); the
 # finite-V correction to tr Pi = m is O(sqrt V) (e.g. the sign of a small |z| in phase retrieval)
-PI_SCALE = 1e-6
-PI_MIN_RATIO = 1e-2
+PI_SCALE = 1e-5
+PI_MIN_RATIO = 1e-4
 # the error just below the algorithmic threshold: above JUMP_GAP the approach is a jump
 JUMP_GAP = 1e-2
 # relative width of the final bisection bracket
@@ -67,7 +67,7 @@ def _normalised(V: np.ndarray, p: int) -> np.ndarray:
     return sym((U * w) @ U.T)
 
 
-def local_stability(ch: Channel, *, max_iter: int = 40, shape_tol: float = 2e-3) -> dict:
+def local_stability(ch: Channel, *, max_iter: int = 60, shape_tol: float = 2e-3) -> dict:
     """Pi at the shape V reproduced by the V -> 0 limit of the SE map, and local_alpha."""
     p = ch.p
     V = PI_SCALE * np.eye(p)
@@ -77,7 +77,8 @@ def local_stability(ch: Channel, *, max_iter: int = 40, shape_tol: float = 2e-3)
         Pi = Pi_r.mean(axis=0)
         S = sqrt_psd(V)
         V_new = _normalised(S @ np.linalg.inv(Pi) @ S, p)
-        shape_change = float(np.max(np.abs(V_new - V)) / (p * PI_SCALE))
+        # relative change of the shape in every direction (small entries matter as much as large)
+        shape_change = float(np.max(np.abs(np.log(np.linalg.eigvals(np.linalg.solve(V, V_new)).real))))
         V = V_new
         if shape_change < shape_tol:
             break
@@ -90,10 +91,20 @@ def local_stability(ch: Channel, *, max_iter: int = 40, shape_tol: float = 2e-3)
         det = np.linalg.det(P)
         return float(det ** (-1.0 / p)) if det > 0 else float("inf")
 
+    # at a shape the map reproduces Pi is proportional to I and every direction shrinks by alpha
+    # det(Pi)^{1/p} per step; a shape pushed to the floor of the ratio is not such a point: there
+    # the slowest direction decides (alpha times the smallest eigenvalue of Pi)
+    w = np.linalg.eigvalsh(V)
+    at_floor = bool(w.min() <= PI_MIN_RATIO * w.max() * (1 + 1e-9))
+    if at_floor:
+        def alpha_of(P):  # noqa: F811 (the slowest direction at the floor)
+            lo = float(np.linalg.eigvalsh(sym(P)).min())
+            return 1.0 / lo if lo > 0 else float("inf")
     loo = np.array([alpha_of((Pi * R - Pi_r[r]) / (R - 1)) for r in range(R)])
     return {"local_alpha": alpha_of(Pi), "local_alpha_stderr": float(np.sqrt((R - 1) / R * np.sum((loo - loo.mean()) ** 2))),
             "Pi": Pi.tolist(), "Pi_stderr": Pi_se.tolist(), "trace_Pi": float(tr), "trace_Pi_stderr": float(tr_se),
             "shape": (V / np.trace(V)).tolist(), "shape_iterations": it, "shape_converged": bool(shape_change < shape_tol),
+            "shape_at_floor": at_floor,
             "scale": PI_SCALE}
 
 

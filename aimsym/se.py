@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from scipy.stats import norm, qmc
 
-from .errors import AimsymError
+from .errors import AimsymError, ConvergenceWarning
 from .provenance import provenance
 
 # Gauss-Hermite nodes per reduced dimension used by default in SE (cheaper than the denoiser's
@@ -165,13 +165,80 @@ class Channel:
         return omega, np.eye(self.p) - Qc, y
 
     def denoise(self, Q: np.ndarray):
-        """Denoiser output at every point at overlap Q (flattened batch R * n)."""
+        """Denoiser output at every point at overlap Q (flattened batch R * n). Samples whose
+        error estimate stays above the denoiser's tol are recomputed by the mode-centred rule
+        (:func:`rescue`)."""
         omega, V, y = self.observe(Q)
         R, n = omega.shape[:2]
         om = omega.reshape(R * n, self.p, self.T)
         if self.uses_observation:
-            return self.den(None, om, V, obs=y.reshape(R * n, -1)), R, n
-        return self.den(y.reshape(R * n, *y.shape[2:]), om, V), R, n
+            args, kw = (None, om, V), {"obs": y.reshape(R * n, -1)}
+        else:
+            args, kw = (y.reshape(R * n, *y.shape[2:]), om, V), {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            out = self.den(*args, **kw)
+        out = rescue(self.model, self.den, out, args, kw)
+        _rewarn(caught, out, getattr(self.den, "tol", None))
+        return out, R, n
+
+
+def _modal(model, tol):
+    """The mode-centred denoiser (``rule='modal'``) of a model at tol, cached per model; None
+    where the model has no such path."""
+    key = (model.hash(), tol)
+    if key not in _MODAL:
+        try:
+            _MODAL[key] = model.denoiser(rule="modal", tol=tol)
+        except AimsymError:
+            _MODAL[key] = None
+    return _MODAL[key]
+
+
+_MODAL: dict = {}
+
+
+def rescue(model, den, out, args, kw):
+    """Recompute, with the mode-centred rule at the same tol, the samples whose error estimate
+    exceeds ``den.tol``, and keep each new value where its estimate is the smaller. Near V = 0
+    with one layer nearly known the polar rule cannot resolve the posterior's ridge (V = diag(1e-2,
+    1e-6), two layers T = 2: 1278 of 2048 samples above 1e-6, E[sum_t g^T V g] = 2.39 where the
+    rank identity allows 2; with the rescue 1.98)."""
+    tol = getattr(den, "tol", None)
+    err = getattr(out, "error", None)
+    if tol is None or err is None or getattr(den, "rule", "auto") == "modal":
+        return out
+    bad = np.flatnonzero(~(np.asarray(err).ravel() <= tol))
+    if bad.size == 0:
+        return out
+    modal = _modal(model, tol)
+    if modal is None:
+        return out
+    y, om, V = args
+    sub_kw = {k: v[bad] for k, v in kw.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        o2 = modal(None if y is None else y[bad], om[bad], V if V.ndim == 2 else V[bad], **sub_kw)
+    better = np.asarray(o2.error) < np.asarray(err).ravel()[bad]
+    idx = bad[better]
+    for name in ("g_out", "dg_out", "log_z_out", "ess", "error"):
+        getattr(out, name)[idx] = getattr(o2, name)[better]
+    return out
+
+
+def _rewarn(caught, out, tol) -> None:
+    """Warnings of the denoiser call, with its 'did not reach tol' count replaced by the count
+    after :func:`rescue`."""
+    for w in caught:
+        if "did not reach tol" not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    err = getattr(out, "error", None)
+    if tol is not None and err is not None:
+        missed = int(np.sum(~(np.asarray(err) <= tol)))
+        if missed:
+            warnings.warn(f"denoiser: {missed} of {np.size(err)} samples did not reach tol={tol:g} even with "
+                          f"the mode-centred rule (largest estimated error {np.nanmax(err):.1e})",
+                          RuntimeWarning, stacklevel=3)
 
 
 def uses_observation(model, den) -> bool:
@@ -468,6 +535,12 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
         raise AimsymError("damping", f"must be in [0, 1), got {damping!r}")
     if side_info < 0:
         raise AimsymError("side_info", f"must be >= 0, got {side_info!r}")
+    if not (np.isfinite(tol) and tol > 0):
+        raise AimsymError("tol", f"must be a finite number > 0, got {tol!r}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int | np.integer) or max_iter < 1:
+        raise AimsymError("max_iter", f"must be an integer >= 1, got {max_iter!r}")
+    if isinstance(seed, int | np.integer) and seed < 0:
+        raise AimsymError("seed", f"must be an integer >= 0, got {seed!r}")
     t0 = time.perf_counter()
     p = model.p
     ch = channel or make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
@@ -517,7 +590,7 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
     if not converged and stop is None:  # (under a stop predicate the iteration ends early on purpose)
         warnings.warn(f"state evolution at alpha = {alpha:g} did not converge in {it} iterations "
                       f"(tol {tol:g} relative to min(Q_kk, 1 - Q_kk)); raise max_iter or damping",
-                      RuntimeWarning, stacklevel=2)
+                      ConvergenceWarning, stacklevel=2)
     accuracy = {**ch.den.accuracy, "samples": int(ch.points.shape[0] * ch.points.shape[1]),
                 "replicas": int(ch.points.shape[0]), "rule": "scrambled Sobol (randomised QMC)",
                 "tol": tol, "convergence": "relative to min(Q_kk, 1 - Q_kk)",

@@ -33,6 +33,10 @@ HEAD_MODES = ("mean", "split")
 _IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 # names that would clash with the generated code or SymPy's namespace
 _RESERVED = {"z", "Z", "pi", "E", "I", "N", "S", "O", "Q", "beta_", "math", "np", "lambda"}
+# words that read as numbers: "nan" would otherwise become a parameter named nan
+_NOT_NAMES = {"nan", "inf", "infinity"}
+# |beta| above this is the hardmax limit in all but name, and overflows the kernels' constants
+BETA_MAX = 1e4
 
 Param = float | str  # a number, or the name of a symbolic parameter
 
@@ -184,6 +188,8 @@ def _param(value, fld: str, *, positive=False, nonneg=False) -> Param:
             raise SpecError(fld, f"must be >= 0, got {value!r}")
         return v
     if isinstance(value, str):
+        if value.strip().lstrip("+-").lower() in _NOT_NAMES:
+            raise SpecError(fld, f"must be a finite number or a parameter name, got {value!r}")
         if not _IDENT.match(value) or value in _RESERVED:
             raise SpecError(
                 fld,
@@ -266,11 +272,14 @@ def make_attention(
             readouts.append(tuple(_param(a, "readout") for a in r))
     else:
         readouts = [None] * L
+    if T == 1 and any(a != "linear" for a in acts):
+        raise SpecError("tokens", "a softmax or hardmax over one token is identically 1, so the weights of "
+                                  "that layer carry no information; use tokens >= 2 (or activation = 'linear')")
     specs = tuple(
         LayerSpec(rank=r, heads=h, tied=t, skip=c, activation=a, beta=b, readout=ro)
         for r, h, t, c, a, b, ro in zip(ranks, n_heads, tieds, skips, acts, betas, readouts)
     )
-    return AttentionSpec(
+    spec = AttentionSpec(
         tokens=T,
         layers=specs,
         output=_choice(output, "output", OUTPUTS),
@@ -282,6 +291,34 @@ def make_attention(
         tau=_param(tau, "tau", positive=True),
         depth_steps=_int(depth_steps, "depth_steps", 1, 512),
     )
+    check_values(spec, {})
+    return spec
+
+
+def check_values(spec: Spec, values: dict[str, float]) -> None:
+    """Refuse models whose output carries no information or whose beta is out of range, once the
+    numbers are known (declared in the file, or bound as ``values``: parameter name -> number).
+
+    beta may be negative (attention then favours dissimilar tokens) but |beta| <= BETA_MAX.
+    beta = 0 makes a layer's attention constant (uniform for softmax/hardmax, zero for linear),
+    so that layer's weights carry no information: refused where it leaves the output constant
+    (the last layer of an attention output, or every layer). Elsewhere the model is kept: the
+    layer is simply not learnable (its overlap stays 0).
+    """
+    if not isinstance(spec, AttentionSpec):
+        return
+    betas = []
+    for i, layer in enumerate(spec.layers):
+        b = values.get(layer.beta) if isinstance(layer.beta, str) else layer.beta
+        if b is not None and not abs(b) <= BETA_MAX:
+            raise SpecError("beta", f"layer {i + 1}: |beta| must be <= {BETA_MAX:g}, got {b!r} (for the "
+                                    "beta -> infinity limit use activation = 'hardmax')")
+        betas.append(b)
+    last_zero = betas[-1] == 0
+    if (spec.output == "attention" and last_zero) or all(b == 0 for b in betas):
+        where = "the last layer" if spec.output == "attention" and len(betas) > 1 else "every layer"
+        raise SpecError("beta", f"beta = 0 in {where} makes the output y constant (uniform attention), so the "
+                                "data carry no information; use beta != 0")
 
 
 def make_smi(
@@ -331,9 +368,13 @@ def make_smi(
         activation=activation,
     )
     # parse now so that a bad link is reported at load time, naming the field
-    from .parse import parse_link
+    from .parse import parse_link, index_symbol
 
-    parse_link(spec)
+    expr = parse_link(spec)
+    # a link without any index is refused; an index absent from the link is kept (its posterior
+    # is its prior, so its overlap stays 0: tests/test_reliability.py)
+    if not any(index_symbol(k, t) in expr.free_symbols for k in range(p) for t in range(T)):
+        raise SpecError("link", "does not depend on z[k, t]: y is constant and carries no information")
     return spec
 
 

@@ -90,6 +90,8 @@ def test_toml_round_trip(T, L, data):
     ranks = data.draw(st.lists(st.integers(1, 3), min_size=L, max_size=L))
     heads = data.draw(st.lists(st.integers(1, 3), min_size=L, max_size=L))
     acts = data.draw(st.lists(st.sampled_from(S.ACTIVATIONS), min_size=L, max_size=L))
+    if T == 1:  # a softmax/hardmax over one token is constant: such specs are refused
+        acts = ["linear"] * L
     skip = data.draw(st.one_of(st.floats(0.1, 5), st.just("c")))
     spec = S.make_attention(tokens=T, layers=L, rank=ranks, heads=heads, activation=acts,
                             skip=skip, tied=data.draw(st.booleans()),

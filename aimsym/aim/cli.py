@@ -119,6 +119,8 @@ def _cmd_thresholds(args) -> int:
 
 def _seeds(text):
     vals, is_list = parse_grid(text, "--seeds")
+    if not np.all((vals >= 0) & (vals == np.round(vals))):
+        raise AimsymError("--seeds", f"seeds are integers >= 0 (n, a,b,c or start:stop:step), got {text!r}")
     if not is_list:
         return list(range(int(vals[0]))) if vals[0] > 1 else [int(vals[0])]
     return [int(v) for v in vals]

@@ -95,6 +95,8 @@ def cmd_train(args) -> int:
     params = _params(args)
     alphas = parse_grid(args.alpha)
     seeds = [int(s) for s in parse_grid(args.seeds, "seeds")]
+    if any(s < 0 for s in seeds):
+        raise AimsymError("--seeds", f"seeds are integers >= 0, got {args.seeds!r}")
     rows = []
     for a in alphas:
         for s in seeds:

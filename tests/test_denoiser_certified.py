@@ -1,0 +1,264 @@
+"""The mode-centred adaptive denoiser (rule="modal", aimsym.modal) for reduced dimension k >= 3:
+agreement with an independent cubature, derivatives of its own log Z_out, the Nishimori and
+rank identities (theory sections 3-4), and honesty of its error estimate."""
+
+import warnings
+
+import numpy as np
+import pytest
+from modal_reference import h_of, outputs, reference
+
+import aimsym
+from aimsym.codegen import REPO_ROOT
+from aimsym.errors import ChannelError
+
+D = REPO_ROOT / "derivations"
+C = 1.0
+# models with an exact reduction of dimension 3 (two layers, T = 3) and 4 (three layers or two heads, T = 2),
+# with the generic rank m of dy/dZ (theory section 3)
+MODELS = {"attention_L2_T3": 3, "attention_L3_T2": 4, "attention_L2_T2_heads2": 4}
+
+
+def load(name):
+    return aimsym.load(D / f"{name}.toml", c=C)
+
+
+def se_point(model, rng, q=0.4, V=None):
+    """omega ~ N(0, Q), Z ~ N(omega, V) with V = I - Q (or the given V, Q = I - V)."""
+    p, T = model.p, model.tokens
+    V = (1 - q) * np.eye(p) if V is None else V
+    Q = np.eye(p) - V
+    om = np.linalg.cholesky(Q) @ rng.standard_normal((p, T))
+    Z = om + np.linalg.cholesky(V) @ rng.standard_normal((p, T))
+    return om, Z, V
+
+
+def rel_error(out, i, g, dg, lz):
+    """The denoiser's error metric: g_out and dg_out relative to their size (at least 1), log Z absolute."""
+    eg = np.abs(out.g_out[i] - g).max() / max(1.0, np.abs(g).max())
+    edg = np.abs(out.dg_out[i] - dg).max() / max(1.0, np.abs(dg).max())
+    return max(eg, edg, abs(out.log_z_out[i] - lz))
+
+
+def test_modal_rule_is_refused_without_a_reduction():
+    with pytest.raises(ChannelError, match="rule"):
+        aimsym.load(D / "gaussian_channel.toml", Delta=0.3).denoiser(rule="modal")
+    with pytest.raises(ChannelError, match="rule"):
+        load("attention_L2_T3").denoiser(rule="quadrature")
+
+
+def test_reference_reduction_reproduces_the_models_observation():
+    """The reference's mixing matrices (theory section 2) give the h the model observes."""
+    rng = np.random.default_rng(0)
+    for name in MODELS:
+        m = load(name)
+        Z = rng.standard_normal((m.p, m.tokens))
+        h = h_of(name, Z, C)
+        obs = m.observation(Z)
+        assert min(np.abs(obs - h).max(), np.abs(obs + h).max()) < 1e-10
+
+
+def _against_reference(name, seed, ref_rtol, tol, V=None):
+    m = load(name)
+    om, Z, V = se_point(m, np.random.default_rng(seed), V=V)
+    h = h_of(name, Z, C)
+    lz, mean, second, status = reference(name, h, om, V, C, rtol=ref_rtol)
+    assert status == "converged"
+    g, dg = outputs(V, om, mean, second)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the estimate is asserted instead)
+        out = m.denoiser(rule="modal", tol=tol, max_regions=400_000)(None, om[None], V, obs=h[None])
+    return rel_error(out, 0, g, dg, lz), out.error[0]
+
+
+def test_two_layer_T3_matches_independent_cubature_fast():
+    """k = 3 against scipy's adaptive Gauss-Kronrod cubature on a prior box, at modest accuracy."""
+    err, est = _against_reference("attention_L2_T3", 4, 1e-7, 1e-7)
+    assert err < 1e-6 and est <= 1e-7
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [3, 7])
+def test_two_layer_T3_matches_independent_cubature(seed):
+    """k = 3: the modal rule at tol 1e-9 against the reference at 1e-10: 1e-8 relative."""
+    err, est = _against_reference("attention_L2_T3", seed, 1e-10, 1e-9)
+    assert err < 1e-8 and est <= 1e-9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("V", [None, np.diag([0.8, 0.05])], ids=["se", "staircase"])
+def test_two_layer_T3_matches_independent_cubature_regimes(V):
+    err, est = _against_reference("attention_L2_T3", 9, 1e-10, 1e-9, V=V)
+    assert err < 1e-8 and est <= 1e-9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["attention_L3_T2", "attention_L2_T2_heads2"])
+def test_four_dimensional_models_match_independent_cubature(name):
+    """k = 4 (three layers; two heads): 1e-8 against the reference at 1e-9."""
+    err, est = _against_reference(name, 5, 1e-9, 1e-8)
+    assert err < 1e-8 and est <= 1e-8
+
+
+def _fd_check(name, tol, step, atol, entries=None):
+    m = load(name)
+    rng = np.random.default_rng(11)
+    om, Z, V = se_point(m, rng)
+    obs = m.observation(Z)
+    p, T = om.shape
+    entries = [(k, t) for k in range(p) for t in range(T)] if entries is None else entries
+    oms = [om]
+    for k, t in entries:
+        for s in (1, -1):
+            o = om.copy()
+            o[k, t] += s * step
+            oms.append(o)
+    oms = np.array(oms)
+    out = m.denoiser(rule="modal", tol=tol)(None, oms, V, obs=np.broadcast_to(obs, (len(oms), obs.size)))
+    i = 1
+    for k, t in entries:
+        if True:
+            fd_g = (out.log_z_out[i] - out.log_z_out[i + 1]) / (2 * step)
+            fd_dg = (out.g_out[i] - out.g_out[i + 1]) / (2 * step)
+            assert abs(fd_g - out.g_out[0, k, t]) < atol
+            assert np.abs(fd_dg - out.dg_out[0, :, :, k, t]).max() < atol * max(1.0, np.abs(out.dg_out[0]).max())
+            i += 2
+
+
+def test_g_out_and_dg_out_are_derivatives_of_log_z_T3():
+    """Central differences in one first-layer and one solved-layer entry of omega."""
+    _fd_check("attention_L2_T3", tol=1e-8, step=1e-3, atol=2e-5, entries=[(0, 1), (1, 2)])
+
+
+@pytest.mark.slow
+def test_g_out_and_dg_out_are_derivatives_of_log_z_T3_all_entries():
+    _fd_check("attention_L2_T3", tol=1e-9, step=1e-3, atol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["attention_L3_T2", "attention_L2_T2_heads2"])
+def test_g_out_and_dg_out_are_derivatives_of_log_z_4d(name):
+    _fd_check(name, tol=1e-8, step=1e-3, atol=1e-4)
+
+
+def _batch(m, rng, n, V):
+    p, T = m.p, m.tokens
+    Q = np.eye(p) - V
+    LQ, LV = np.linalg.cholesky(Q), np.linalg.cholesky(V)
+    om = np.einsum("ij,njt->nit", LQ, rng.standard_normal((n, p, T)))
+    Z = om + np.einsum("ij,njt->nit", LV, rng.standard_normal((n, p, T)))
+    return om, m.observation(Z)
+
+
+def _rank(name, V, n, tol, seed):
+    m = load(name)
+    om, obs = _batch(m, np.random.default_rng(seed), n, V)
+    out = m.denoiser(rule="modal", tol=tol)(None, om, V, obs=obs)
+    s = np.einsum("nkt,kl,nlt->n", out.g_out, V, out.g_out)
+    return s.mean(), s.std(ddof=1) / np.sqrt(n)
+
+
+@pytest.mark.parametrize("V", [1e-4 * np.eye(2), np.diag([1e-2, 1e-6])], ids=["iso", "aniso"])
+def test_rank_identity_near_V0_T3(V):
+    """E[sum_t g_t^T V g_t] -> m = 3 as V -> 0 (two layers, T = 3), isotropic and anisotropic V."""
+    mean, se = _rank("attention_L2_T3", V, 32, 1e-5, 21)
+    assert abs(mean - MODELS["attention_L2_T3"]) < max(4 * se, 0.05), (mean, se)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["attention_L3_T2", "attention_L2_T2_heads2"])
+@pytest.mark.parametrize("aniso", [False, True], ids=["iso", "aniso"])
+def test_rank_identity_near_V0_4d(name, aniso):
+    """m = 2 at T = 2 (y fixes h up to sign), for three layers and two heads."""
+    V = np.diag([1e-2, 1e-6, 1e-6]) if aniso else 1e-4 * np.eye(3)
+    mean, se = _rank(name, V, 64, 1e-5, 22)
+    assert abs(mean - 2) < max(4 * se, 0.05), (mean, se)
+
+
+def _nishimori(name, n, tol, seed):
+    m = load(name)
+    rng = np.random.default_rng(seed)
+    p = m.p
+    A = rng.standard_normal((p, p))
+    Q = 0.5 * (A @ A.T) / (np.trace(A @ A.T) / p) * 0.5
+    Q = 0.5 * (Q + Q.T)
+    V = np.eye(p) - Q
+    om, obs = _batch(m, rng, n, V)
+    out = m.denoiser(rule="modal", tol=tol)(None, om, V, obs=obs)
+    gg = np.einsum("nkt,nlt->nkl", out.g_out, out.g_out)
+    dd = np.einsum("nktlt->nkl", out.dg_out)
+    diff = gg + dd  # E[g g^T] + E[sum_t dg_tt] = 0
+    return diff.mean(0), diff.std(0, ddof=1) / np.sqrt(n)
+
+
+def test_nishimori_identity_T3():
+    mean, se = _nishimori("attention_L2_T3", 48, 1e-4, 31)
+    assert np.all(np.abs(mean) < 4 * se + 1e-3), (mean, se)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["attention_L3_T2", "attention_L2_T2_heads2"])
+def test_nishimori_identity_4d(name):
+    mean, se = _nishimori(name, 128, 1e-5, 32)
+    assert np.all(np.abs(mean) < 4 * se + 1e-3), (mean, se)
+
+
+def _regime_points(m, rng, n):
+    """SE regimes, one layer nearly known, and far tails (omega a few prior sd off the truth)."""
+    p, T = m.p, m.tokens
+    oms, obs, Vs = [], [], []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            V = (1 - rng.uniform(0.1, 0.8)) * np.eye(p)
+        elif kind == 1:  # one layer nearly known (the staircase)
+            d = rng.uniform(0.3, 1.0, p)
+            d[rng.integers(p)] = 10 ** rng.uniform(-4, -2)
+            V = np.diag(d)
+        elif kind == 2:  # correlated V
+            A = rng.standard_normal((p, p))
+            V = 0.4 * np.eye(p) + 0.1 * A @ A.T
+            V = V / max(1.0, np.linalg.eigvalsh(V).max() / 0.95)
+        else:
+            V = 0.5 * np.eye(p)
+        Q = np.eye(p) - V
+        om = np.linalg.cholesky(Q + 1e-12 * np.eye(p)) @ rng.standard_normal((p, T))
+        Z = om + np.linalg.cholesky(V) @ rng.standard_normal((p, T))
+        if kind == 3:  # far tail: the truth 3-4 prior sd away from omega
+            om = om + rng.choice([-1, 1], size=om.shape) * rng.uniform(3, 4) * np.sqrt(0.5)
+        oms.append(om)
+        obs.append(m.observation(Z))
+        Vs.append(V)
+    return np.array(oms), np.array(obs), np.array(Vs)
+
+
+def _honesty(name, n, tol, seed, ref_tol=1e-10):
+    """Share of points whose actual error (against the same rule at ref_tol with a large
+    budget) is at most the estimate."""
+    m = load(name)
+    om, obs, V = _regime_points(m, np.random.default_rng(seed), n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = m.denoiser(rule="modal", tol=tol)(None, om, V, obs=obs)
+        ref = m.denoiser(rule="modal", tol=ref_tol, max_regions=400_000)(None, om, V, obs=obs)
+    actual = np.array([rel_error(out, i, ref.g_out[i], ref.dg_out[i], ref.log_z_out[i]) for i in range(n)])
+    ok = actual <= out.error + ref.error  # (the reference's own estimate counts against it)
+    return ok.mean(), actual, out.error
+
+
+def test_error_estimate_is_honest_T3():
+    share, actual, est = _honesty("attention_L2_T3", 8, 1e-4, 41, ref_tol=1e-8)
+    assert share == 1.0, (actual, est)
+
+
+@pytest.mark.slow
+def test_error_estimate_is_honest_T3_24_points():
+    share, actual, est = _honesty("attention_L2_T3", 24, 1e-5, 41)
+    assert share == 1.0, (actual, est)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_error_estimate_is_honest_1000_points(name):
+    share, actual, est = _honesty(name, 1000, 1e-6, 42)
+    assert share >= 0.99, share
