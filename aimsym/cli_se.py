@@ -132,11 +132,11 @@ def cmd_thresholds(args) -> int:
         return 0
     ini = rep["initial"]
     print(f"model {model.name} {model.parameters}")
-    print(f"alpha_c = {ini['alpha']:.4f} ± {ini['stderr']:.4f}  (rho(F) = {ini['rho']:.4f}), direction:")
+    print(f"alpha_c = {_pm(ini['alpha'], ini['stderr'])}  (rho(F) = {_pm(ini['rho'], ini['rho_stderr'])}), direction:")
     for row in ini["direction"]:
         print("   ", "  ".join(f"{v: .3f}" for v in row))
     for step in rep["staircase"]:
-        print(f"subspace {step['subspace']}: alpha = {step['alpha']:.4f} ± {step['stderr']:.4f}")
+        print(f"subspace {step['subspace']}: alpha = {_pm(step['alpha'], step['stderr'])}")
     pr = rep.get("perfect_recovery")
     if pr is not None:
         print(f"counting bound alpha_PR = p/m = {pr['counting_alpha']}  (m = {pr['m']}; {pr['note']})")
@@ -146,6 +146,17 @@ def cmd_thresholds(args) -> int:
         if pr.get("alpha") is not None:
             print(f"uninformed SE reaches Q = I at alpha = {pr['alpha']:.4f} ± {pr['stderr']:.4f} ({pr['kind']})")
     return 0
+
+
+def _pm(x: float, err: float) -> str:
+    """x ± err with err to two significant digits (at least 4 decimals): the reweighted alpha_c
+    errors go down to 1e-5 and below, which a fixed 4 decimals printed as ± 0.0000."""
+    import math
+
+    if not (math.isfinite(err) and err > 0):
+        return f"{x:.4f} ± {err:.4g}"
+    d = max(4, 1 - math.floor(math.log10(err)))
+    return f"{x:.{d}f} ± {err:.{d}f}"
 
 
 def cmd_phase_diagram(args) -> int:

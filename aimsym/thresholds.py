@@ -11,12 +11,22 @@ by the sign-flip symmetry of the links this applies to), so the block is learned
 alpha * rho(F) = 1, rho the cone spectral radius (power iteration from I / sqrt(|P|)).
 
 F is returned as an explicit matrix on an orthonormal basis of symmetric matrices (E_aa, and
-(E_ab + E_ba)/sqrt 2 for a < b), with per-entry standard errors from the QMC replicas; the standard
-error of rho (and of alpha_c = 1/rho) is a jackknife over replicas.
+(E_ab + E_ba)/sqrt 2 for a < b), with per-entry standard errors from the QMC replicas.
+
+rho is estimated without the upward bias of "top eigenvalue of a noisy F" (docs/se.md):
+ - restricted to the block of F invariant under the link's sign-flip symmetries (exact for the
+   cone spectral radius; removes symmetry-forced degeneracies such as y = z0 z1's),
+ - cross-fitted: each replica's F_r is evaluated (Rayleigh quotient) along the top direction of
+   the other replicas' mean, independent of F_r; rho = mean over replicas,
+ - its standard error is a jackknife of that whole procedure (directions recomputed without the
+   left-out replica), which keeps the direction's dependence on the data in the error bar,
+ - at Q = 0 (alpha_c) the points are drawn from N(0, TAIL_SCALE^2) and reweighted to N(0, 1):
+   the posterior moments in F grow polynomially in |Z|, and the reweighted integrand is bounded.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -24,7 +34,7 @@ from scipy.optimize import brentq
 
 from .errors import AimsymError
 from .provenance import provenance
-from .se import Channel, make_channel, state_evolution, sym
+from .se import Channel, denoiser_accuracy, make_channel, state_evolution, sym
 
 
 # ----------------------------------------------------------------------------- symmetric basis
@@ -42,11 +52,15 @@ def sym_basis(n: int) -> np.ndarray:
     return np.array(out)
 
 
-def operator_matrix(D: np.ndarray) -> np.ndarray:
-    """D: (n, T, T, k, k) blocks D_ts per sample -> mean of F in the symmetric basis (m, m)."""
+def operator_matrix(D: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
+    """D: (n, T, T, k, k) blocks D_ts per sample -> mean of F in the symmetric basis (m, m);
+    ``w``: per-sample weights (importance sampling), mean of w * (...)."""
     B = sym_basis(D.shape[-1])
     # F(E_j) = mean_n sum_ts D E_j D^T ; entry <E_i, F(E_j)>
-    FE = np.einsum("ntsab,jbc,ntsdc->jad", D, B, D, optimize=True) / D.shape[0]
+    if w is None:
+        FE = np.einsum("ntsab,jbc,ntsdc->jad", D, B, D, optimize=True) / D.shape[0]
+    else:
+        FE = np.einsum("n,ntsab,jbc,ntsdc->jad", w, D, B, D, optimize=True) / D.shape[0]
     return np.einsum("iad,jad->ij", B, FE)
 
 
@@ -56,23 +70,101 @@ def apply(F: np.ndarray, M: np.ndarray) -> np.ndarray:
     return np.einsum("i,iab->ab", F @ c, B)
 
 
-def cone_spectral_radius(F: np.ndarray, n: int, *, tol: float = 1e-13, max_iter: int = 20000):
-    """Power iteration M <- F(M)/||F(M)||_F from I/sqrt(n): (rho, maximising M)."""
-    M = np.eye(n) / np.sqrt(n)
+def _power(F: np.ndarray, c: np.ndarray, tol: float, max_iter: int):
+    """Power iteration c <- F c / |F c| on basis coefficients (|c| = ||M||_F: the basis is orthonormal)."""
     rho = 0.0
     for _ in range(max_iter):
-        FM = sym(apply(F, M))
-        nrm = float(np.linalg.norm(FM))
+        Fc = F @ c
+        nrm = float(np.linalg.norm(Fc))
         if not np.isfinite(nrm):
             raise AimsymError("operator", "non-finite entries; raise samples or nodes")
         if nrm == 0.0:
-            return 0.0, M
-        M_new = FM / nrm
-        done = np.linalg.norm(M_new - M) < tol
-        M, rho = M_new, nrm
+            return 0.0, c
+        c_new = Fc / nrm
+        done = np.linalg.norm(c_new - c) < tol
+        c, rho = c_new, nrm
         if done:
             break
-    return rho, M
+    return rho, c
+
+
+def cone_spectral_radius(F: np.ndarray, n: int, *, tol: float = 1e-13, max_iter: int = 20000):
+    """Power iteration M <- F(M)/||F(M)||_F from I/sqrt(n): (rho, maximising M)."""
+    B = sym_basis(n)
+    rho, c = _power(F, np.einsum("iab,ab->i", B, np.eye(n) / np.sqrt(n)), tol, max_iter)
+    return rho, np.einsum("i,iab->ab", c, B)
+
+
+# ----------------------------------------------------------------------------- symmetries
+_SYMMETRIES: dict[int, tuple] = {}
+
+
+def sign_symmetries(model, *, checks: int = 64) -> list[np.ndarray]:
+    """Sign patterns s (one +-1 per index, not all +1) with link(diag(s) Z) = +-link(Z), checked on
+    ``checks`` random Z. Then the posterior given y of diag(s) Z is that of Z given +-y (noise is
+    symmetric), so F commutes with M -> S M S. Subsets of up to 8 indices (single flips beyond)."""
+    hit = _SYMMETRIES.get(id(model))
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    p, T = model.p, model.tokens
+    Z = np.random.default_rng(20240).standard_normal((checks, p, T))
+    pats = itertools.product((1.0, -1.0), repeat=p) if p <= 8 else (1 - 2 * np.eye(p))
+    out = []
+    try:
+        with np.errstate(all="ignore"):
+            y = np.asarray(model.link(Z), dtype=float)
+            for s in pats:
+                s = np.asarray(s, dtype=float)
+                if np.all(s == 1):
+                    continue
+                ys = np.asarray(model.link(Z * s[:, None]), dtype=float)
+                if np.all(np.isfinite(y)) and (np.allclose(ys, y, rtol=1e-10, atol=1e-12)
+                                               or np.allclose(ys, -y, rtol=1e-10, atol=1e-12)):
+                    out.append(s)
+    except Exception:  # a link that cannot be evaluated on plain arrays: no symmetry assumed
+        out = []
+    _SYMMETRIES[id(model)] = (model, out)
+    return out
+
+
+def invariant_indices(k: int, signs) -> list[int]:
+    """Indices of :func:`sym_basis` (k) elements E_ab with s_a s_b = 1 for every sign pattern s."""
+    idx, i = [], 0
+    for a in range(k):
+        for b in range(a, k):
+            if all(s[a] * s[b] > 0 for s in signs):
+                idx.append(i)
+            i += 1
+    return idx
+
+
+# ----------------------------------------------------------------------------- estimator
+def _top_vector(F: np.ndarray) -> np.ndarray:
+    # F is self-adjoint (G_ts^T = G_st); its largest eigenvalue is the cone spectral radius
+    # (Krein-Rutman), and the Rayleigh quotient needs no PSD representative of a degenerate space
+    return np.linalg.eigh(sym(F))[1][:, -1]
+
+
+def _cross_fit(Fr: np.ndarray) -> np.ndarray:
+    """Rayleigh quotient of each replica's F_r along the top vector of the other replicas' mean."""
+    R = Fr.shape[0]
+    S = Fr.sum(axis=0)
+    out = np.empty(R)
+    for r in range(R):
+        v = _top_vector((S - Fr[r]) / (R - 1))
+        out[r] = v @ Fr[r] @ v
+    return out
+
+
+def cross_fitted_rho(Fr: np.ndarray) -> tuple[float, np.ndarray]:
+    """(rho, rho_loo): the cross-fitted estimate and its leave-one-replica-out values (the whole
+    procedure redone on R - 1 replicas, directions included) for the jackknife."""
+    R = Fr.shape[0]
+    if R < 3:
+        raise AimsymError("replicas", f"the cross-fitted operator estimate needs at least 3 replicas, got {R}")
+    rho = float(_cross_fit(Fr).mean())
+    loo = np.array([_cross_fit(np.delete(Fr, j, axis=0)).mean() for j in range(R)])
+    return rho, loo
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -88,17 +180,28 @@ def operator_blocks(ch: Channel, Q: np.ndarray, block, denoised=None) -> np.ndar
     return D.reshape(R, n, *D.shape[1:])
 
 
-def operator(ch: Channel, Q: np.ndarray, block, denoised=None) -> dict:
-    """F (mean, stderr per entry), rho, alpha_c = 1/rho with jackknife stderr, direction;
-    ``rho_loo``: rho of the leave-one-replica-out means (for jackknifing derived quantities)."""
+def operator(ch: Channel, Q: np.ndarray, block, denoised=None, weights=None) -> dict:
+    """F (mean, stderr per entry), rho (cross-fitted on the sign-symmetric block) with jackknife
+    stderr, direction; ``rho_loo``: its leave-one-replica-out values (for jackknifing derived
+    quantities). ``weights`` (R, n): importance weights of the points (see :func:`initial_threshold`).
+    The symmetries are those of the link at Q diagonal (sign flips commute with a diagonal Q)."""
     D = operator_blocks(ch, Q, block, denoised)
     R, k = D.shape[0], D.shape[-1]
-    Fr = np.stack([operator_matrix(D[r]) for r in range(R)])
+    Fr = np.stack([operator_matrix(D[r], None if weights is None else weights[r]) for r in range(R)])
     F = Fr.mean(axis=0)
-    rho, M = cone_spectral_radius(F, k)
-    loo = np.array([cone_spectral_radius((F * R - Fr[r]) / (R - 1), k)[0] for r in range(R)])
-    return {"F": F, "F_stderr": Fr.std(axis=0, ddof=1) / np.sqrt(R), "rho": float(rho),
-            "rho_stderr": jackknife_stderr(loo), "rho_loo": loo, "direction": M, "block": [int(i) for i in block]}
+    diagonal = np.allclose(Q, np.diag(np.diag(Q)))
+    signs = [s[list(block)] for s in sign_symmetries(ch.model)] if diagonal else []
+    keep = invariant_indices(k, signs)
+    Fk = Fr[:, keep][:, :, keep]
+    rho, loo = cross_fitted_rho(Fk)
+    # reported direction: cone power iteration of the mean on the invariant block, from I (invariant)
+    B = sym_basis(k)
+    c0 = np.einsum("iab,ab->i", B, np.eye(k) / np.sqrt(k))[keep]
+    _, c = _power(F[np.ix_(keep, keep)], c0, 1e-13, 20000)
+    M = np.einsum("i,iab->ab", c, B[keep])
+    return {"F": F, "F_stderr": Fr.std(axis=0, ddof=1) / np.sqrt(R), "rho": rho,
+            "rho_stderr": jackknife_stderr(loo), "rho_loo": loo, "direction": M, "block": [int(i) for i in block],
+            "invariant_block": [int(i) for i in keep]}
 
 
 def jackknife_stderr(loo: np.ndarray) -> float:
@@ -113,13 +216,53 @@ def direction_support(M: np.ndarray, block, rel: float = 0.05) -> list[int]:
     return [int(block[i]) for i in np.flatnonzero(d > rel * d.max())]
 
 
+# Points of the Q = 0 operator are drawn from N(0, TAIL_SCALE^2) per entry of Z and reweighted:
+# posterior second moments grow polynomially in |Z|, so plain normal points leave a heavy-tailed,
+# skewed replica mean (phase retrieval, 8 replicas: z-scores of mean 0.47, sd 1.6 over 200 seeds;
+# at 1.5: docs/se.md). The weights' own spread grows like 1.2^(p T): fine up to p T ~ 8.
+TAIL_SCALE = 1.5
+
+
+def tail_scaled(ch: Channel, scale: float) -> tuple[Channel, np.ndarray]:
+    """At Q = 0, Z = eta: the channel with eta scaled by ``scale`` and the weights (R, n) that take
+    the scaled law back to N(0, I) (phi(x) / (phi(x / s) / s) per entry)."""
+    p, T = ch.p, ch.T
+    pts = ch.points.copy()
+    e = pts[..., p * T: 2 * p * T] * scale
+    pts[..., p * T: 2 * p * T] = e
+    logw = e.shape[-1] * np.log(scale) - 0.5 * (1.0 - scale**-2) * np.sum(e * e, axis=-1)
+    return Channel(ch.model, ch.den, pts), np.exp(logw)
+
+
+# Denoiser nodes of the Q = 0 operator (one pass, so cheap) where the SE default biases alpha_c
+# beyond its reweighted QMC error: 1-D, y = z0 z1, same points, against the closed-form denoiser:
+# 40 nodes +1.0e-4 (1.2 stderr; +2.8e-4 without the SE's error control), 120: +1.4e-7.
+THRESHOLD_NODES = {1: 120}
+
+
+def _threshold_denoiser(model, ch: Channel) -> Channel:
+    dim = int(model.kernels.INTEGRAL_DIM) if hasattr(model, "kernels") else 0
+    if dim not in THRESHOLD_NODES:
+        return ch
+    return Channel(ch.model, model.denoiser(**denoiser_accuracy(model, THRESHOLD_NODES[dim])), ch.points)
+
+
 def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=None, seed=0,
-                      channel: Channel | None = None) -> dict:
-    """alpha_c = 1/rho(F) at Q = 0 (omega = 0, V = I) on all indices."""
+                      channel: Channel | None = None, tail_scale: float = TAIL_SCALE) -> dict:
+    """alpha_c = 1/rho(F) at Q = 0 (omega = 0, V = I) on all indices (points scaled by ``tail_scale``
+    and reweighted; 1: plain normal points). ``nodes`` None: THRESHOLD_NODES where set (also
+    replacing a given ``channel``'s denoiser), else the SE default."""
     ch = channel or make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
+    if nodes is None:
+        ch = _threshold_denoiser(model, ch)
     p = model.p
-    op = operator(ch, np.zeros((p, p)), list(range(p)))
-    return _as_threshold(op, alpha_factor=1.0)
+    weights = None
+    if tail_scale != 1.0:
+        ch, weights = tail_scaled(ch, tail_scale)
+    op = operator(ch, np.zeros((p, p)), list(range(p)), weights=weights)
+    th = _as_threshold(op, alpha_factor=1.0)
+    th["tail_scale"] = float(tail_scale)
+    return th
 
 
 def _as_threshold(op: dict, alpha_factor: float) -> dict:
@@ -321,12 +464,22 @@ def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alp
                                f"alpha rho < 1 on {P}: no threshold located")
 
 
+# Replicas of the staircase operator points. At 2^13 points, 32 replicas of 256 give the same
+# spread of the layer-1 root of the two-layer model as 8 of 1024 (sd 0.0051 vs 0.0056 over 40
+# seeds: short replicas lose no QMC accuracy on this heavy-tailed integrand) but a ± that holds:
+# z-scores about the seed mean have sd 0.99 (max |z| 2.3) against 1.37 (max 3.9) with 8.
+STAIR_REPLICAS = 32
+
+
 def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14, replicas: int = 8,
-              se_samples: int = 2048, nodes=None, seed=0, parametric: bool = True) -> list[dict]:
+              se_samples: int = 2048, nodes=None, seed=0, parametric: bool = True,
+              op_replicas: int = STAIR_REPLICAS) -> list[dict]:
     """Ordered list of the next thresholds after ``first`` is learned at alpha_c. A single learned
     index uses the parametric branch (:func:`next_threshold_branch`, operator points only) unless
-    ``parametric`` is False; larger learned blocks iterate the restricted SE (``se_samples``)."""
-    ch_op = make_channel(model, samples=samples, replicas=replicas, seed=seed + 1, nodes=nodes)
+    ``parametric`` is False; larger learned blocks iterate the restricted SE (``se_samples``,
+    ``replicas``). The operator points have ``op_replicas`` replicas (fewer if ``samples`` is small)."""
+    op_replicas = max(3, min(op_replicas, samples // 32))  # keep >= 32 points per replica
+    ch_op = make_channel(model, samples=samples, replicas=op_replicas, seed=seed + 1, nodes=nodes)
     ch_se = None  # only the iterated restricted SE needs its own points
     learned, alpha, steps = list(first), alpha_c, []
     while len(learned) < model.p:
@@ -338,7 +491,8 @@ def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14
         sub = th["subspace"] or [i for i in range(model.p) if i not in learned]
         steps.append({"subspace": sub, "alpha": th["alpha"], "stderr": th["stderr"], "jump": th["jump"],
                       "method": th.get("method", "restricted SE"),
-                      "direction": th["direction"], "rho": th["rho"], "Q_branch": th["Q_branch"]})
+                      "direction": th["direction"], "rho": th["rho"], "Q_branch": th["Q_branch"],
+                      "replicas": op_replicas})
         learned, alpha = sorted(set(learned) | set(sub)), th["alpha"]
     return steps
 
@@ -379,7 +533,7 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
     t0 = time.perf_counter()
     do_stairs = staircase_steps if staircase is None else staircase
     ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
-    ini = initial_threshold(model, channel=ch)
+    ini = initial_threshold(model, channel=ch, nodes=nodes)
     rep = {"initial": {k: ini[k] for k in ("alpha", "stderr", "rho", "rho_stderr", "direction", "subspace",
                                             "F", "F_stderr")}}
     steps = [{"subspace": ini["subspace"], "alpha": ini["alpha"], "stderr": ini["stderr"]}]
