@@ -87,19 +87,17 @@ def local_stability(ch: Channel, *, max_iter: int = 60, shape_tol: float = 2e-3)
     Pi, Pi_se = mean_and_stderr(Pi_r)
     tr, tr_se = mean_and_stderr(np.trace(Pi_r, axis1=1, axis2=2))
 
-    def alpha_of(P):
-        det = np.linalg.det(P)
-        return float(det ** (-1.0 / p)) if det > 0 else float("inf")
-
     # at a shape the map reproduces Pi is proportional to I and every direction shrinks by alpha
     # det(Pi)^{1/p} per step; a shape pushed to the floor of the ratio is not such a point: there
     # the slowest direction decides (alpha times the smallest eigenvalue of Pi)
     w = np.linalg.eigvalsh(V)
     at_floor = bool(w.min() <= PI_MIN_RATIO * w.max() * (1 + 1e-9))
-    if at_floor:
-        def alpha_of(P):  # noqa: F811 (the slowest direction at the floor)
-            lo = float(np.linalg.eigvalsh(sym(P)).min())
-            return 1.0 / lo if lo > 0 else float("inf")
+
+    def alpha_of(P):
+        rate = float(np.linalg.eigvalsh(sym(P)).min()) if at_floor else float(np.linalg.det(P)) ** (1.0 / p) \
+            if np.linalg.det(P) > 0 else 0.0
+        return 1.0 / rate if rate > 0 else float("inf")
+
     loo = np.array([alpha_of((Pi * R - Pi_r[r]) / (R - 1)) for r in range(R)])
     return {"local_alpha": alpha_of(Pi), "local_alpha_stderr": float(np.sqrt((R - 1) / R * np.sum((loo - loo.mean()) ** 2))),
             "Pi": Pi.tolist(), "Pi_stderr": Pi_se.tolist(), "trace_Pi": float(tr), "trace_Pi_stderr": float(tr_se),
