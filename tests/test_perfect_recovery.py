@@ -214,3 +214,22 @@ def test_phase_diagram_carries_the_perfect_recovery_curve(tmp_path):
     assert len(curve) == 2 and all(r["step"] == 1 for r in curve)
     plot.phase_diagram(rows, tmp_path / "pd.png")
     assert (tmp_path / "pd.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alpha", [0.9, 0.99])
+def test_two_layers_no_perfect_recovery_below_the_counting_bound(alpha):
+    """Two layers, T = 2, skip 1 (alpha_PR = 1): the certified SE (error control + mode-centred
+    rescue) stays off Q = I below the bound; the former fixed rule reached 1 - Q ~ 1e-7 at 0.99."""
+    model = aimsym.load(ROOT + "attention_L2_T2.toml", skip=1.0)
+    res = state_evolution(model, alpha, samples=1024, errors=False)
+    assert not any(res.errors["perfect_recovery"]) and min(res.errors["layers"]) > 1e-6
+    assert res.diagnostics["quadrature_missed"] == 0
+
+
+@pytest.mark.slow
+def test_two_layers_rank_identity_near_V0():
+    model = aimsym.load(ROOT + "attention_L2_T2.toml", skip=1.0)
+    loc = local_stability(make_channel(model, samples=2048, replicas=8, seed=0))
+    assert abs(loc["trace_Pi"] - 2.0) < 3 * loc["trace_Pi_stderr"]
+    assert abs(loc["local_alpha"] - 1.0) < 3 * loc["local_alpha_stderr"] + 0.01
