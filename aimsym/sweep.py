@@ -34,6 +34,17 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS points (
 _COLUMNS = ["key", "model_hash", "params", "alpha", "init", "record"]
 
 
+def _select(path, sql: str, *, create: bool = True) -> list:
+    """All rows of one query on the store; a damaged file is one error naming it."""
+    con = _connect(path, create=create)
+    try:
+        return con.execute(sql).fetchall()
+    except sqlite3.DatabaseError as exc:
+        raise _store_error(path, f"damaged ({exc}); move it away and re-run into a new --store") from None
+    finally:
+        con.close()
+
+
 def _store_error(path, what: str) -> AimsymError:
     return AimsymError("--store", f"{path}: {what}")
 
@@ -101,13 +112,7 @@ def finished(path, keys) -> dict:
     if not Path(path).exists():  # (created by the first stored point: a failed start leaves no file)
         _make_folder(path)
         return {}
-    con = _connect(path)
-    try:
-        rows = con.execute("SELECT key, record FROM points").fetchall()
-    except sqlite3.DatabaseError as exc:
-        raise _store_error(path, f"damaged ({exc}); move it away and re-run into a new --store") from None
-    finally:
-        con.close()
+    rows = _select(path, "SELECT key, record FROM points")
     out = {}
     for k, r in rows:
         if k in keys and (rec := _decode(r)) is not None:
@@ -378,13 +383,7 @@ def _run_dask(client, chains, text, name, opts, store, bar) -> int:
 # ----------------------------------------------------------------------------- reading
 def table(store) -> list[dict]:
     """Tidy rows (one per point) from the store, sorted by parameters, init and alpha."""
-    con = _connect(store, create=False)
-    try:
-        rows = con.execute("SELECT model_hash, params, alpha, init, record FROM points").fetchall()
-    except sqlite3.DatabaseError as exc:
-        raise _store_error(store, f"damaged ({exc}); move it away and re-run into a new --store") from None
-    finally:
-        con.close()
+    rows = _select(store, "SELECT model_hash, params, alpha, init, record FROM points", create=False)
     out, damaged = [], 0
     for h, params, alpha, init, rec in rows:
         r = _decode(rec)
