@@ -762,3 +762,128 @@ def modal_adaptive(obs, omega, V, params, nc, cb, cm, cL, cla, gp, w7, w5, tol, 
             continue
         status[i] = modal_adaptive_one(obs[i], omega[i], Vi, params, nc[i], cb[i], cm[i], cL[i], cla[i], gp, w7, w5,
                                        tol, max_regions, g_out[i], dg_out[i], extra[i])
+
+
+# ---------------------------------------------------------------------------- fast path
+# Before the adaptive cubature, each component's term E_{phi_j}[a_j f_b / q_b] is taken with a
+# fixed standard-normal rule in phi_j's own coordinates (u = m_j + L_j x): where the posterior is
+# close to its Laplace mixture this converges fast, and two rules of increasing size give the
+# estimate (``aimsym.modal.run`` compares them and sends what does not settle to the adaptive
+# driver).
+
+
+@njit(cache=True)
+def _log_mix_inv(nc, cL, cla, cLinv, cln):
+    """Inverse Cholesky factors and log normalised masses (log a_i - log |L_i| - D/2 log 2 pi)
+    of the components; returns fshift = the largest log mass."""
+    D = cL.shape[1]
+    fshift = -math.inf
+    for i in range(nc):
+        ld = 0.0
+        for a in range(D):
+            cLinv[i, a, a] = 1.0 / cL[i, a, a]
+            ld += math.log(cL[i, a, a])
+            for k in range(a):
+                s = 0.0
+                for q in range(k, a):
+                    s -= cL[i, a, q] * cLinv[i, q, k]
+                cLinv[i, a, k] = s / cL[i, a, a]
+        cln[i] = cla[i] - ld - 0.5 * D * math.log(2.0 * math.pi)
+        fshift = max(fshift, cla[i])
+    return fshift
+
+
+@njit(cache=True)
+def modal_rule_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, tot):
+    """Moment sums [S0, S1, lower S2] of z - omega (scaled by exp(-fshift), fshift = the largest
+    log Laplace mass) of the partition-of-unity terms, each by the standard-normal rule
+    (nodes, w) mapped onto its component. Returns fshift (nan: V not positive definite)."""
+    p = P
+    nt = T
+    pt = p * nt
+    D = INTEGRAL_DIM
+    Vinv = np.empty((p, p))
+    logdet_V = _precision(V, Vinv)
+    if logdet_V != logdet_V:
+        return math.nan
+    cLinv = np.zeros((nc, D, D))
+    cln = np.empty(nc)
+    fshift = _log_mix_inv(nc, cL, cla, cLinv, cln)
+    z = np.zeros((p, nt))
+    u = np.empty(D)
+    dz = np.empty(pt)
+    for q in range(tot.shape[0]):
+        tot[q] = 0.0
+    for j in range(nc):
+        b = cb[j]
+        for k in range(nodes.shape[0]):
+            for a in range(D):
+                s = cm[j, a]
+                for c in range(a + 1):
+                    s += cL[j, a, c] * nodes[k, c]
+                u[a] = s
+            lf = _mlogf(b, u, obs, params, z, omega, Vinv, logdet_V)
+            if not (lf > -math.inf):
+                continue
+            lv = lf - fshift + cla[j] - _log_mix(b, u, nc, cb, cm, cLinv, cln, None)
+            f = w[k] * math.exp(lv)
+            if f != f:
+                continue
+            for kk in range(p):
+                for tt in range(nt):
+                    dz[kk * nt + tt] = z[kk, tt] - omega[kk, tt]
+            tot[0] += f
+            q = 1
+            for a in range(pt):
+                tot[q] += f * dz[a]
+                q += 1
+            for a in range(pt):
+                fa = f * dz[a]
+                for c in range(a + 1):
+                    tot[q] += fa * dz[c]
+                    q += 1
+    return fshift
+
+
+@njit(cache=True, parallel=True)
+def modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, idx, tot, fshift):
+    """``modal_rule_one`` for the samples idx of a batch (tot, fshift indexed like idx)."""
+    shared = V.shape[0] == 1
+    for r in prange(idx.shape[0]):
+        i = idx[r]
+        Vi = V[0] if shared else V[i]
+        fshift[r] = modal_rule_one(obs[i], omega[i], Vi, params, nc[i], cb[i], cm[i], cL[i], cla[i], nodes, w,
+                                   tot[r])
+
+
+@njit(cache=True, parallel=True)
+def modal_finish(omega, V, idx, tot, etot, fshift, g_out, dg_out, extra, status):
+    """g_out, dg_out, log Z_out and the propagated error estimate (x MODAL_SAFETY) from moment
+    sums tot with absolute errors etot, for the samples idx (outputs indexed like idx)."""
+    p = P
+    nt = T
+    pt = p * nt
+    shared = V.shape[0] == 1
+    for r in prange(idx.shape[0]):
+        i = idx[r]
+        Vi = V[0] if shared else V[i]
+        Vinv = np.empty((p, p))
+        ld = _precision(Vi, Vinv)
+        if ld != ld:
+            status[r] = STATUS_BAD_V
+            continue
+        if not (tot[r, 0] > 0.0) or fshift[r] != fshift[r]:
+            status[r] = STATUS_ZERO_LIKELIHOOD
+            continue
+        S1 = np.empty(pt)
+        S2 = np.zeros((pt, pt))
+        q = 1
+        for a in range(pt):
+            S1[a] = tot[r, q]
+            q += 1
+        for a in range(pt):
+            for c in range(a + 1):
+                S2[a, c] = tot[r, q]
+                q += 1
+        status[r] = _finish(fshift[r], tot[r, 0], tot[r, 0] * tot[r, 0], S1, S2, Vinv, g_out[r], dg_out[r], extra[r])
+        extra[r, 2] = MODAL_SAFETY * _propagated_error(tot[r], etot[r], Vinv, pt, p, nt)

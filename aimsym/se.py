@@ -50,6 +50,11 @@ SE_POLAR = (8, 24)
 # relative replica errors (>= 1e-3 at the default samples)
 SE_TOL = 1e-4
 MAX_CONTROLLED_DIM = 2
+# where every direction of V is below MODAL_BELOW (near perfect recovery) the SE's denoiser is the
+# mode-centred rule at SE_TOL, for every reduced dimension: the posterior there is close to its
+# Laplace mixture, which the rule's fast path integrates at ~0.3 ms per sample (k = 2, 3), while
+# the polar and fixed rules grow costly or biased as V -> 0
+MODAL_BELOW = 1e-2
 # V = I - Q is clipped at OVERLAP_EPS (clip_overlap), so 1 - Q_kk below PERFECT_RESOLUTION is not
 # resolved: such an entry is reported as perfect recovery, not as a number
 OVERLAP_EPS = 1e-9
@@ -57,11 +62,14 @@ PERFECT_RESOLUTION = 1e-8
 # convergence is relative to min(Q_kk, 1 - Q_kk), floored at LOWER_FLOOR near Q = 0 (where the
 # uninformed fixed point sits exactly at 0) and at PERFECT_RESOLUTION near Q = I
 LOWER_FLOOR = 0.01
-# perfect recovery by the homogeneity of the map near Q = I (see _iterate)
-PERFECT_NEAR = 1e-3
-PERFECT_RATE = 0.9
-PERFECT_STEPS = 3
-# a coarse-pass result with some 1 - Q_kk below this is discarded (see state_evolution)
+# perfect recovery by the homogeneity of the map near Q = I (see _iterate): PERFECT_STEPS steps
+# below PERFECT_NEAR, each contracting every 1 - Q_kk by at most PERFECT_RATE, at rates that
+# change by at most PERFECT_RATE_SPREAD from step to step (the linear regime of an attracting Q = I)
+PERFECT_NEAR = 2e-2
+PERFECT_RATE = 0.98
+PERFECT_RATE_SPREAD = 0.02
+PERFECT_STEPS = 5
+# the coarse pass hands over to the full rule once some 1 - Q_kk is below this (see state_evolution)
 COARSE_NEAR_ONE = 0.05
 
 
@@ -126,6 +134,7 @@ class Channel:
     model: object
     den: object
     points: np.ndarray  # (R, n, 2 p T [+ noise dims])
+    used: object = None  # the denoiser of the last call (``den`` or the mode-centred rule near V = 0)
 
     @property
     def p(self):
@@ -182,11 +191,14 @@ class Channel:
             args, kw = (None, om, V), {"obs": y.reshape(R * n, -1)}
         else:
             args, kw = (y.reshape(R * n, *y.shape[2:]), om, V), {}
+        modal = _modal(self.model, SE_TOL) if np.linalg.eigvalsh(V).max() <= MODAL_BELOW else None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
-            out = self.den(*args, **kw)
-        out = rescue(self.model, self.den, out, args, kw)
-        _rewarn(caught, out, getattr(self.den, "tol", None))
+            out = (modal or self.den)(*args, **kw)
+        if modal is None:
+            out = rescue(self.model, self.den, out, args, kw)
+        self.used = modal or self.den
+        _rewarn(caught, out, getattr(self.used, "tol", None))
         return out, R, n
 
 
@@ -301,7 +313,7 @@ def se_map(ch: Channel, Q: np.ndarray, alpha: float, *, diagnostics: bool = Fals
         return sym(Q_hat_r), psi_r
     dg = out.dg_out.reshape(R, n, ch.p, ch.T, ch.p, ch.T)
     return sym(Q_hat_r), psi_r, {**nishimori_residual(gg_r, np.einsum("rnktlt->rkl", dg) / n),
-                                 **quadrature_summary(out, ch.den)}
+                                 **quadrature_summary(out, ch.used or ch.den)}
 
 
 def nishimori_residual(gg_r: np.ndarray, dg_r: np.ndarray) -> dict:
@@ -566,20 +578,19 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
     Q = initial_overlap(p, init, init_eps) * mask
     history, it = [], 0
     # coarse pass on 1/8 of the points (cheap), then the full rule from there
-    Q_init = Q
     for stage, (rule, stage_tol) in enumerate(((ch.subset(coarse), 4 * tol), (ch, tol))):
         # no coarse pass under a stop predicate: it would decide on 1/8 of the points (another
         # sampled map), e.g. "the overlap has left zero" where the full rule is still stable
         if stage == 0 and (coarse <= 1 or stop is not None):
             continue
-        Q, n_it, converged = _iterate(rule, Q, alpha, Lam, mask, damping, stage_tol, max_iter - it, history,
-                                      anderson, stop)
-        it += n_it
         # near Q = I the coarse map can overshoot the full map's fixed point (1/8 of the points
         # carry a little more information, e.g. perfect recovery at alpha = 0.99 < alpha_PR), and
-        # from above the full rule would approach it critically slowly or stay on another branch
-        if stage == 0 and np.any((1.0 - np.diag(Q) < COARSE_NEAR_ONE) & (np.diag(mask) > 0)):
-            Q = Q_init
+        # from above the full rule would approach it critically slowly or stay on another branch:
+        # the coarse pass hands over to the full rule as soon as some 1 - Q_kk < COARSE_NEAR_ONE
+        near_one = (lambda Qx: bool(np.any((1.0 - np.diag(Qx) < COARSE_NEAR_ONE) & (np.diag(mask) > 0))))
+        Q, n_it, converged = _iterate(rule, Q, alpha, Lam, mask, damping, stage_tol, max_iter - it, history,
+                                      anderson, near_one if stage == 0 else stop)
+        it += n_it
         if stop is not None and stop(Q):
             break
     if stop is None:
@@ -630,17 +641,20 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
     start = len(history)
     xs, gs = [], []  # Anderson memory: iterates and their images
     active = np.diag(mask) > 0
-    shrinking, jumped = 0, False
+    shrinking, jumped, last_rate = 0, False, None
     for it in range(1, max_iter + 1):
         Q_hat_r, _ = se_map(ch, Q, alpha)
         Q_new = q_from_q_hat(Q_hat_r.mean(axis=0) * mask, Lam) * mask
-        # near Q = I the map is homogeneous in V = I - Q: a contraction of every 1 - Q_kk by
-        # PERFECT_RATE for PERFECT_STEPS steps below PERFECT_NEAR continues to V = 0. Jump to the
+        # near Q = I the map is homogeneous in V = I - Q: a steady contraction of every 1 - Q_kk
+        # for PERFECT_STEPS steps below PERFECT_NEAR continues to V = 0. Jump to the
         # resolution there (saving the ~10 steps per decade, each costly where one layer is nearly
         # known); the map then confirms it, or moves away from I if the contraction was transient
         e_old, e_new = 1.0 - np.diag(Q), 1.0 - np.diag(Q_new)
         near = active.any() and np.all(e_new[active] < PERFECT_NEAR) and np.any(e_new[active] > 2 * OVERLAP_EPS)
-        shrinking = shrinking + 1 if near and np.all(e_new[active] <= PERFECT_RATE * e_old[active]) else 0
+        rate = e_new[active] / np.maximum(e_old[active], OVERLAP_EPS) if near else None
+        steady = rate is not None and np.all(rate <= PERFECT_RATE) and (
+            last_rate is None or np.all(np.abs(rate - last_rate) <= PERFECT_RATE_SPREAD))
+        shrinking, last_rate = (shrinking + 1 if steady else 0), rate
         if shrinking >= PERFECT_STEPS and not jumped:
             # scale V = I - Q down along its shape until its smallest diagonal entry sits at the clip
             A = np.ix_(active, active)
@@ -664,6 +678,9 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         # points, e.g. Q = 0 above a weak-recovery threshold)
         h = history[start:]
         contracting = len(h) >= 4 and h[-1] < h[-2] < h[-3] < h[-4]
+        # (not near Q = I: there the map's noise in 1 - Q_kk is of the order of the step, and
+        # Anderson's extrapolation pushed 1 - Q up by 2x every fifth step, two layers at alpha 1.1)
+        contracting = contracting and not np.any(e_new[active] < COARSE_NEAR_ONE)
         if not contracting:
             xs, gs = [], []
         xs, gs = (xs + [Q])[-anderson - 1:], (gs + [Q_plain])[-anderson - 1:]

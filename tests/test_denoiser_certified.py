@@ -262,3 +262,24 @@ def test_error_estimate_is_honest_T3_24_points():
 def test_error_estimate_is_honest_1000_points(name):
     share, actual, est = _honesty(name, 1000, 1e-6, 42)
     assert share >= 0.99, share
+
+
+@pytest.mark.parametrize("name,scale", [pytest.param("attention_L2_T3", 0.01, marks=pytest.mark.slow),
+                                        ("attention_L2_T2", 1e-3)])
+def test_fast_path_agrees_with_adaptive_cubature_near_V0(name, scale, monkeypatch):
+    """Near V = 0 the Laplace-scaled Gauss-Hermite fast path settles most samples within tol; each
+    result agrees with the adaptive driver alone (an independent rule) within the two estimates."""
+    from aimsym import modal
+
+    m, n = load(name), 8
+    om, obs, V = _regime_points(m, np.random.default_rng(3), n)
+    V = V * scale
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = m.denoiser(rule="modal", tol=1e-6)(None, om, V, obs=obs)
+        monkeypatch.setattr(modal, "FAST", False)
+        ref = m.denoiser(rule="modal", tol=1e-8, max_regions=400_000)(None, om, V, obs=obs)
+    fast = out.ess <= sum(len(w) for _, w in modal.fast_rules(m.kernels.INTEGRAL_DIM)) * modal.MAX_COMP
+    assert fast.mean() >= 0.5 and np.all(out.error[fast] <= 1e-6)
+    actual = np.array([rel_error(out, i, ref.g_out[i], ref.dg_out[i], ref.log_z_out[i]) for i in range(n)])
+    assert np.all(actual <= out.error + ref.error), (actual, out.error, ref.error)
