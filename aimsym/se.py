@@ -69,6 +69,11 @@ PERFECT_NEAR = 2e-2
 PERFECT_RATE = 0.98
 PERFECT_RATE_SPREAD = 0.02
 PERFECT_STEPS = 5
+# a stalled iteration (see _stalled): STALL_STEPS steps below STALL_FRACTION of the map's replica
+# standard error without a drift of more than STALL_DRIFT mean steps
+STALL_STEPS = 12
+STALL_FRACTION = 0.5
+STALL_DRIFT = 0.3
 # the coarse pass hands over to the full rule once some 1 - Q_kk is below this (see state_evolution)
 COARSE_NEAR_ONE = 0.05
 
@@ -588,17 +593,21 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
         # from above the full rule would approach it critically slowly or stay on another branch:
         # the coarse pass hands over to the full rule as soon as some 1 - Q_kk < COARSE_NEAR_ONE
         near_one = (lambda Qx: bool(np.any((1.0 - np.diag(Qx) < COARSE_NEAR_ONE) & (np.diag(mask) > 0))))
+        flags = {}
         Q, n_it, converged = _iterate(rule, Q, alpha, Lam, mask, damping, stage_tol, max_iter - it, history,
-                                      anderson, near_one if stage == 0 else stop)
+                                      anderson, near_one if stage == 0 else stop, flags)
         it += n_it
         if stop is not None and stop(Q):
             break
-    if stop is None:
+    stalled = bool(flags.get("stalled"))
+    if stop is None and not stalled:
         Q, n_it, converged = _reseed(ch, Q, alpha, Lam, mask, damping, tol, max_iter - it, history, anderson,
                                      init_eps, converged)
         it += n_it
     distance = None
-    if stop is None:
+    if stop is None and stalled:  # (Newton on a discontinuous map would chase its jumps)
+        resp = map_response(ch, Q, alpha, Lam, mask)
+    elif stop is None:
         Q, resp, distance = newton_polish(ch, Q, alpha, Lam, mask, tol)
         converged = bool(converged and distance < tol) or bool(distance < tol and resp.stable)
     Q_hat_r, psi_r, diag = se_map(ch, Q, alpha, diagnostics=True)
@@ -621,7 +630,9 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
                       ConvergenceWarning, stacklevel=2)
     accuracy = {**ch.den.accuracy, "samples": int(ch.points.shape[0] * ch.points.shape[1]),
                 "replicas": int(ch.points.shape[0]), "rule": "scrambled Sobol (randomised QMC)",
-                "tol": tol, "convergence": "relative to min(Q_kk, 1 - Q_kk)",
+                "tol": tol, "convergence": (f"stalled: the sampled map cycles within {STALL_FRACTION} of its replica "
+                                            f"standard error (discrete outputs); Q is the mean of the cycle" if stalled
+                                            else "relative to min(Q_kk, 1 - Q_kk)"),
                 "perfect_resolution": PERFECT_RESOLUTION, "damping": damping, "max_iter": max_iter,
                 "Q_stderr": "replica error of the fixed point: one step's spread amplified by (I - J)^{-1}",
                 "amplification": response, "distance_to_fixed_point": distance}
@@ -636,15 +647,18 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
     )
 
 
-def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=3, stop=None):
-    """Damped fixed-point iteration of the SE map; returns (Q, iterations, converged)."""
+def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=3, stop=None, flags=None):
+    """Damped fixed-point iteration of the SE map; returns (Q, iterations, converged).
+    ``flags["stalled"]`` is set when it ends on a stalled cycle (:func:`_stalled`)."""
     start = len(history)
     xs, gs = [], []  # Anderson memory: iterates and their images
     active = np.diag(mask) > 0
     shrinking, jumped, last_rate = 0, False, None
+    noise, recent = [], []  # the map's relative replica error per step; the last iterates
     for it in range(1, max_iter + 1):
         Q_hat_r, _ = se_map(ch, Q, alpha)
         Q_new = q_from_q_hat(Q_hat_r.mean(axis=0) * mask, Lam) * mask
+        noise.append(_map_noise(Q_hat_r, Lam, mask, Q_new))
         # near Q = I the map is homogeneous in V = I - Q: a steady contraction of every 1 - Q_kk
         # for PERFECT_STEPS steps below PERFECT_NEAR continues to V = 0. Jump to the
         # resolution there (saving the ~10 steps per decade, each costly where one layer is nearly
@@ -671,6 +685,14 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         escaping = bool(np.any((d_new < 0.01) & (d_new > 1e-12) & (d_new > d_old * (1 + tol))))
         if not escaping and _converged(history[start:], tol):
             return Q_new, it, True
+        recent.append(Q_new)
+        if not escaping and _stalled(history[start:], noise, recent):
+            # a map sampled at fixed points is discontinuous in Q where the outputs are discrete
+            # (a sample's y flips): it cycles within a fraction of its own standard error
+            # instead of converging; the mean of the cycle is the fixed point to that accuracy
+            if flags is not None:
+                flags["stalled"] = True
+            return np.mean(recent[-STALL_STEPS:], axis=0), it, True
         if stop is not None and stop(Q_new):
             return Q_new, it, False
         Q_plain = damping * Q + (1 - damping) * Q_new
@@ -738,6 +760,27 @@ def relative_step(Q_old: np.ndarray, Q_new: np.ndarray) -> float:
     about 1 - Q there) and to Q_kk near Q = 0."""
     s = np.sqrt(error_scale(Q_new))
     return float(np.max(np.abs(Q_new - Q_old) / np.outer(s, s)))
+
+
+def _map_noise(Q_hat_r, Lam, mask, Q_new) -> float:
+    """The replica standard error of one step's image, in :func:`relative_step` units."""
+    Q_r = np.stack([q_from_q_hat(x * mask, Lam) * mask for x in Q_hat_r])
+    _, se = mean_and_stderr(Q_r)
+    s = np.sqrt(error_scale(Q_new))
+    return float(np.max(se / np.outer(s, s)))
+
+
+def _stalled(history, noise, recent) -> bool:
+    """The last STALL_STEPS steps all below STALL_FRACTION of the map's own standard error, with
+    no drift: the mean of the last STALL_STEPS iterates moved from that of the STALL_STEPS before
+    by less than STALL_DRIFT times a mean step (a monotone approach moves by ~STALL_STEPS steps).
+    A cycle, not a convergence."""
+    if len(history) < 2 * STALL_STEPS or len(recent) < 2 * STALL_STEPS:
+        return False
+    last = history[-STALL_STEPS:]
+    drift = relative_step(np.mean(recent[-2 * STALL_STEPS:-STALL_STEPS], axis=0),
+                          np.mean(recent[-STALL_STEPS:], axis=0))
+    return max(last) < STALL_FRACTION * min(noise[-STALL_STEPS:]) and drift < STALL_DRIFT * np.mean(last)
 
 
 def _converged(history, tol) -> bool:

@@ -132,3 +132,30 @@ def test_cli_se_json():
     bad = subprocess.run([sys.executable, "-m", "aimsym.cli", "se", str(DER / "gaussian_channel.toml"),
                           "--set", "Delta=0.5", "--alpha", "-2"], capture_output=True, text=True)
     assert bad.returncode == 2 and "alpha" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _sign_fixed_point(alpha):
+    """Bayes-optimal SE of y = sign(z), Gaussian prior, by quadrature over both outputs:
+    Q_hat = alpha E_xi sum_y phi(x)^2 / ((1 - Q) Phi(y x)), x = sqrt(Q) xi / sqrt(1 - Q)."""
+    from scipy import integrate, optimize
+    from scipy.special import log_ndtr
+    from scipy.stats import norm
+
+    def q_hat(q):
+        a = np.sqrt(q / (1 - q))
+        lp = lambda x: norm.logpdf(x)
+        f = lambda xi: np.exp(lp(xi) + 2 * lp(a * xi) - log_ndtr(a * xi)) + np.exp(lp(xi) + 2 * lp(a * xi)
+                                                                                    - log_ndtr(-a * xi))
+        return alpha * integrate.quad(f, -np.inf, np.inf, epsabs=1e-13)[0] / (1 - q)
+
+    return optimize.brentq(lambda q: q_hat(q) / (1 + q_hat(q)) - q, 1e-6, 1 - 1e-6, xtol=1e-12)
+
+
+@pytest.mark.parametrize("alpha", [0.6, 1.5])
+def test_sign_channel_converges_to_its_closed_form(alpha):
+    """Discrete outputs make the sampled map jump where a sample's y flips: the iteration cycles
+    within its own standard error; the SE reports the cycle's mean as converged, on the closed form."""
+    res = se.state_evolution(aimsym.load(DER / "glm_sign.toml"), alpha, errors=False)
+    assert res.converged and "stalled" in res.accuracy["convergence"]
+    q = _sign_fixed_point(alpha)
+    assert abs(res.Q[0, 0] - q) < 3 * res.Q_stderr[0, 0] + 1e-4, (res.Q[0, 0], q, res.Q_stderr[0, 0])
