@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from . import spec as spec_mod
+from .derive import spec as spec_mod
 from .errors import AimsymError, SpecError
 
 # the one-off compilation notice (see Model.compile_notice); sweep workers turn it off
 COMPILE_NOTICE = True
 _NOTICED: set[str] = set()
-from .spec import AttentionSpec, Spec
+from .derive.spec import AttentionSpec, Spec
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,13 @@ class Model:
     # ------------------------------------------------------------------ stages
     @functools.cached_property
     def derivation(self):
-        from .symbolic import derive
+        from .derive.symbolic import derive
 
         return derive(self.spec)
 
     @functools.cached_property
     def kernels(self):
-        from .codegen import cache_dir, load_kernels
+        from .derive.codegen import cache_dir, load_kernels
 
         try:
             return load_kernels(self.spec)
@@ -144,7 +144,7 @@ class Model:
         red = self.derivation.reduction
         batch, flat = self._flat(Z)
         if red is not None and red.obs_from_Z is not None:
-            from .symbolic import numeric_function
+            from .derive.symbolic import numeric_function
 
             f = numeric_function(self.derivation, red.obs_from_Z, (len(red.obs_from_Z),))
             return f(flat, self.params_array()).reshape(*batch, len(red.obs_from_Z))
@@ -162,10 +162,10 @@ class Model:
     def denoiser(self, **accuracy):
         self.compile_notice("denoise_batch")
         if self.kernels.PATH == "hardmax-wedge-mixed":  # hardmax last layer after a first layer
-            from .hardmax_channel import HardmaxMixedDenoiser
+            from .denoise.hardmax_channel import HardmaxMixedDenoiser
 
             return HardmaxMixedDenoiser(self, **accuracy)
-        from .channel import Denoiser
+        from .denoise.channel import Denoiser
 
         return Denoiser(self, **accuracy)
 

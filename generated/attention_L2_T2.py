@@ -2,7 +2,7 @@
 
 model: attention_L2_T2
 spec hash: 2161f6543159659e
-generator: 0.1.0+3f2a1cea4b
+generator: 0.1.0+54774b8759
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '2161f6543159659e'
-GENERATOR_VERSION = '0.1.0+3f2a1cea4b'
+GENERATOR_VERSION = '0.1.0+54774b8759'
 NAME = 'attention_L2_T2'
 P = 2
 T = 2
@@ -332,7 +332,7 @@ POLAR_LINEAR_OBS = True
 
 
 # ============================================================================
-# Batch denoiser driver (aimsym/driver_template.py, appended to every module)
+# Batch denoiser driver (aimsym/denoise/driver_template.py, appended to every module)
 # ============================================================================
 #
 # Posterior over Z given y and the Gaussian prior prod_t N(z_t; omega_t, V), reduced to the

@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+3f2a1cea4b
+generator: 0.1.0+54774b8759
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+3f2a1cea4b'
+GENERATOR_VERSION = '0.1.0+54774b8759'
 NAME = 'gaussian_channel'
 P = 1
 T = 1
@@ -141,7 +141,7 @@ POLAR_LINEAR_OBS = False
 
 
 # ============================================================================
-# Batch denoiser driver (aimsym/driver_template.py, appended to every module)
+# Batch denoiser driver (aimsym/denoise/driver_template.py, appended to every module)
 # ============================================================================
 #
 # Posterior over Z given y and the Gaussian prior prod_t N(z_t; omega_t, V), reduced to the

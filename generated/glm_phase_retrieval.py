@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+3f2a1cea4b
+generator: 0.1.0+54774b8759
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+3f2a1cea4b'
+GENERATOR_VERSION = '0.1.0+54774b8759'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1
@@ -144,7 +144,7 @@ POLAR_LINEAR_OBS = False
 
 
 # ============================================================================
-# Batch denoiser driver (aimsym/driver_template.py, appended to every module)
+# Batch denoiser driver (aimsym/denoise/driver_template.py, appended to every module)
 # ============================================================================
 #
 # Posterior over Z given y and the Gaussian prior prod_t N(z_t; omega_t, V), reduced to the

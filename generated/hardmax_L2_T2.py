@@ -2,7 +2,7 @@
 
 model: hardmax_L2_T2
 spec hash: 7508f35d33687fef
-generator: 0.1.0+3f2a1cea4b
+generator: 0.1.0+54774b8759
 denoiser path: exact (hardmax last layer after a tied rank-one first layer, T = 2: region constraint (z_2 in a union of wedges depending on z_1), 2-D integral over z_1)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '7508f35d33687fef'
-GENERATOR_VERSION = '0.1.0+3f2a1cea4b'
+GENERATOR_VERSION = '0.1.0+54774b8759'
 NAME = 'hardmax_L2_T2'
 P = 2
 T = 2
@@ -289,7 +289,7 @@ def mixing(u, params, M):
 
 
 # ============================================================================
-# Batch denoiser driver (aimsym/driver_template.py, appended to every module)
+# Batch denoiser driver (aimsym/denoise/driver_template.py, appended to every module)
 # ============================================================================
 #
 # Posterior over Z given y and the Gaussian prior prod_t N(z_t; omega_t, V), reduced to the
@@ -1886,7 +1886,7 @@ def link_jacobian_batch(Z, params, out):
 
 # ============================================================================
 # Hardmax last layer after a tied rank-one first layer, T = 2
-# (aimsym/hardmax_template.py, appended to modules of kind hardmax-wedge-mixed)
+# (aimsym/denoise/hardmax_template.py, appended to modules of kind hardmax-wedge-mixed)
 # ============================================================================
 #
 # Z = [[u_1, u_2], [w_1, w_2]]: u = z_1 (first layer), w = z_2 (last layer). The last layer sees

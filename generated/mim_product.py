@@ -2,7 +2,7 @@
 
 model: mim_product
 spec hash: 256c784af7e77580
-generator: 0.1.0+3f2a1cea4b
+generator: 0.1.0+54774b8759
 denoiser path: exact (solved y = g(Z) for z_1_0 (1 branch))
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '256c784af7e77580'
-GENERATOR_VERSION = '0.1.0+3f2a1cea4b'
+GENERATOR_VERSION = '0.1.0+54774b8759'
 NAME = 'mim_product'
 P = 2
 T = 1
@@ -150,7 +150,7 @@ POLAR_LINEAR_OBS = False
 
 
 # ============================================================================
-# Batch denoiser driver (aimsym/driver_template.py, appended to every module)
+# Batch denoiser driver (aimsym/denoise/driver_template.py, appended to every module)
 # ============================================================================
 #
 # Posterior over Z given y and the Gaussian prior prod_t N(z_t; omega_t, V), reduced to the

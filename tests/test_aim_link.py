@@ -12,7 +12,7 @@ import sympy as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aimsym import spec as S
+from aimsym.derive import spec as S
 from aimsym.aim.channels import (
     Hardmax3Channel,
     HardmaxChannel,
@@ -31,7 +31,7 @@ from aimsym.aim.link import (
     unique_index,
 )
 from aimsym.errors import AimsymError, SpecError
-from aimsym.symbolic import derive, softmax_rows
+from aimsym.derive.symbolic import derive, softmax_rows
 
 BETAS = (0.3, 1.0, 4.0)
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import aimsym
-from aimsym.amp import gamp, run_amp
-from aimsym.data import teacher_student
+from aimsym.smi.amp import gamp, run_amp
+from aimsym.smi.data import teacher_student
 
 
 def se_gaussian(alpha, Delta, lam, iters):
@@ -125,7 +125,7 @@ def test_two_layer_last_layer_first():
 
 @pytest.mark.slow
 def test_two_layer_matches_se_fixed_point_d1000():
-    from aimsym.se import state_evolution
+    from aimsym.smi.se import state_evolution
 
     model = aimsym.load("derivations/attention_L2_T2.toml", skip=1.0)
     lam = 1e-2

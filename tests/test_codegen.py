@@ -10,8 +10,8 @@ import pytest
 from forward import draw_weights, forward, indices
 
 import aimsym
-from aimsym import codegen
-from aimsym import spec as S
+from aimsym.derive import codegen
+from aimsym.derive import spec as S
 
 BUNDLED_ATTENTION = ["attention_L2_T2", "attention_L3_T2", "attention_L2_T3", "attention_L2_T2_untied",
                      "attention_L2_T2_heads2", "attention_L1_T2"]

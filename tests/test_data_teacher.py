@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import aimsym
-from aimsym.data import attention_network, teacher_student
+from aimsym.smi.data import attention_network, teacher_student
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from scipy.special import log_ndtr
 from scipy.stats import norm
 
 import aimsym
-from aimsym import spec as S
-from aimsym.codegen import REPO_ROOT
-from aimsym.channel import POLAR_CRAD, POLAR_KAPPA
+from aimsym.derive import spec as S
+from aimsym.derive.codegen import REPO_ROOT
+from aimsym.denoise.channel import POLAR_CRAD, POLAR_KAPPA
 from aimsym.errors import ChannelError
 
 D = REPO_ROOT / "derivations"
@@ -425,7 +425,7 @@ def test_node_tables_are_cached_and_do_not_depend_on_the_batch(monkeypatch):
     the batch or the call history: a fresh denoiser, a cached one and a single sample agree
     bit for bit. Under a memory cap (the cache restarts; samples beyond it take the per-sample
     kernel) results agree to rounding."""
-    import aimsym.channel as ch
+    import aimsym.denoise.channel as ch
 
     m = load("attention_L2_T2", skip=1.0)
     rng = np.random.default_rng(41)
@@ -479,7 +479,7 @@ def test_polar_rows_equals_polar_branch_per_node(seed, c, scale):
 def test_polar_gauss_hermite_kernel_equals_scalar_denoise_one(seed, c, v, adapt):
     """The SIMD adaptive Gauss-Hermite kernel of the polar models (all nodes of a branch at
     once through polar_rows) == the scalar generic kernel, node rule and adaptation alike."""
-    from aimsym.channel import gauss_hermite_rule
+    from aimsym.denoise.channel import gauss_hermite_rule
 
     m = load("attention_L2_T2", skip=c)
     k = m.denoiser().kernels
@@ -504,7 +504,7 @@ def test_polar_gauss_hermite_kernel_equals_scalar_denoise_one(seed, c, v, adapt)
 def test_gauss_hermite_denoiser_on_a_polar_model_equals_the_scalar_kernel():
     """model.denoiser(nodes=n) (Gauss-Hermite everywhere, as AMP uses it) runs the SIMD kernel
     on polar models: the batch equals the generic scalar kernel sample by sample."""
-    from aimsym.channel import gauss_hermite_rule
+    from aimsym.denoise.channel import gauss_hermite_rule
 
     m = load("attention_L2_T2", skip=1.0)
     den = m.denoiser(nodes=12)
@@ -655,7 +655,7 @@ def test_a_posterior_far_from_the_prior_of_u_is_found(V, offset, kr, sizes):
     (grown, then fitted domain) equals two large rules (mapped and Legendre) on a fixed domain
     of kr prior sd, whose edge is empty, to 1e-8 (on the prior's domain alone the error was
     1e-3). The two references agree with each other to 1e-9."""
-    import aimsym.channel as ch
+    import aimsym.denoise.channel as ch
 
     m = load("attention_L2_T2", skip=1.0)
     V = np.array(V)
@@ -687,7 +687,7 @@ def test_a_failing_sample_off_its_prior_is_retried_on_the_posterior_domain(monke
     towards the prior's bump and its refinements stop at estimates 1e-6 and 1e-5; retried on
     the fitted domain they reach tol within the same 4 levels, and agree with a large
     fixed-domain rule to 1e-8."""
-    import aimsym.channel as ch
+    import aimsym.denoise.channel as ch
 
     m = load("attention_L2_T2", skip=1.0)
     V = np.array([[1.0, 0.2], [0.2, 0.8]])

@@ -9,7 +9,7 @@ import pytest
 from modal_reference import h_of, outputs, reference
 
 import aimsym
-from aimsym.codegen import REPO_ROOT
+from aimsym.derive.codegen import REPO_ROOT
 from aimsym.errors import ChannelError
 
 D = REPO_ROOT / "derivations"

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import aimsym
-from aimsym.data import attention_network, teacher_student
-from aimsym.gd import loss_and_grad, run_gd
+from aimsym.smi.data import attention_network, teacher_student
+from aimsym.smi.gd import loss_and_grad, run_gd
 
 
 @pytest.fixture(scope="module")

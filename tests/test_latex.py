@@ -13,11 +13,11 @@ import pytest
 import sympy as sp
 
 import aimsym
-from aimsym import codegen
-from aimsym import spec as S
-from aimsym.latex import PARTS, document, front, part
-from aimsym.latexutil import broken_lines, tex_width
-from aimsym.symbolic import derive
+from aimsym.derive import codegen
+from aimsym.derive import spec as S
+from aimsym.derive.latex import PARTS, document, front, part
+from aimsym.derive.latexutil import broken_lines, tex_width
+from aimsym.derive.symbolic import derive
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "aimsym.cli", *args], capture_output=True, text=True)

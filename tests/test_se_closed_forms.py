@@ -10,7 +10,7 @@ import pytest
 from scipy.special import k0, k1  # noqa: F401  (used by the threshold tests' helper)
 
 import aimsym
-from aimsym import se
+from aimsym.smi import se
 from aimsym.errors import AimsymError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import aimsym
-from aimsym import se
-from aimsym import thresholds as th
+from aimsym.smi import se
+from aimsym.smi import thresholds as th
 from aimsym.errors import AimsymError
 
 DER = Path(__file__).resolve().parents[1] / "derivations"

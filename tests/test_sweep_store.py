@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from aimsym import sweep
-from aimsym.se import gaussian_channel_fixed_point
+from aimsym.studies import sweep
+from aimsym.smi.se import gaussian_channel_fixed_point
 
 DER = Path(__file__).resolve().parents[1] / "derivations"
 GC = str(DER / "gaussian_channel.toml")

@@ -401,7 +401,7 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
     iteration).
     """
     if blas_threads is not None:
-        from ..erm._blas import set_blas_threads
+        from ..blas import set_blas_threads
 
         set_blas_threads(int(blas_threads))
     if onsager not in ("exact", "isotropic", None):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import AimsymError
-from ._blas import set_blas_threads
+from ..blas import set_blas_threads
 from .geometry import learned_basis, softmax_rows, to_matrix
 from .loss import loss, loss_grad_hess
 from .params import ERMParams

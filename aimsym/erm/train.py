@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import AimsymError
-from ._blas import set_blas_threads
+from ..blas import set_blas_threads
 from .geometry import softmax_rows
 from .params import ERMParams
 
