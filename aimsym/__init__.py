@@ -1,8 +1,7 @@
 """aimsym: symbolic-numeric derivation toolkit for learning in attention models."""
 
-__version__ = "0.1.0"
-
-from .errors import AimsymError, ChannelError, SpecError  # noqa: E402
+from .errors import AimsymError, ChannelError, SpecError
+from .provenance import __version__
 
 __all__ = ["AimsymError", "ChannelError", "SpecError", "load", "__version__"]
 

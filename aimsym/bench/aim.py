@@ -47,14 +47,14 @@ def bench_hardmax_curve():
 
 
 def bench_rie_mmse(n=200):
-    from ..aim.spectral import _rie_mmse_scalar
+    from ..aim.spectral import rie_mmse_scalar
 
     rng = np.random.default_rng(0)
     times = []
     for D, rho in zip(10 ** rng.uniform(-4, 1, n), rng.uniform(0.05, 2.0, n)):
         _clear_caches()
         t = time.process_time()
-        _rie_mmse_scalar(float(D), float(rho))
+        rie_mmse_scalar(float(D), float(rho))
         times.append(time.process_time() - t)
     return float(np.median(times)), float(np.max(times))
 

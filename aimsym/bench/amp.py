@@ -39,11 +39,11 @@ def main(argv=None) -> int:
 
     import numba
 
-    import aimsym
+    from aimsym.model import load
     from aimsym.smi.amp import gamp
     from aimsym.smi.data import teacher_student
 
-    model = aimsym.load(args.model, skip=1.0)
+    model = load(args.model, skip=1.0)
     t0 = time.perf_counter()
     data = teacher_student(model, args.d, alpha=args.alpha, seed=args.seed)
     t_data = time.perf_counter() - t0
@@ -155,12 +155,12 @@ def figures(outdir, model_path, only=FIGURES) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    import aimsym
+    from aimsym.model import load
     from aimsym.smi.amp import run_amp
     from aimsym.smi.gd import run_gd
 
     os.makedirs(outdir, exist_ok=True)
-    model = aimsym.load(model_path, skip=1.0)
+    model = load(model_path, skip=1.0)
     here = os.path.dirname(model_path)
     summary = {}
     if "iterations" in only:
@@ -187,7 +187,7 @@ def figures(outdir, model_path, only=FIGURES) -> int:
 
     if "gaussian" in only:
         # Gaussian channel per iteration: closed-form SE (the same recursion as tests/test_amp_se.py)
-        gauss = aimsym.load(os.path.join(here, "gaussian_channel.toml"), Delta=0.5)
+        gauss = load(os.path.join(here, "gaussian_channel.toml"), Delta=0.5)
         rg = run_amp(gauss, d=2000, alpha=0.8, seeds=4, seed=3, lam=0.0, max_iter=8, tol=0.0)
         Q, se_g = 0.0, [0.0]
         for _ in range(8):
@@ -237,8 +237,8 @@ def figures(outdir, model_path, only=FIGURES) -> int:
     if "glm_alpha" in only:
         from aimsym.smi.se import gaussian_channel_fixed_point
 
-        gauss = aimsym.load(os.path.join(here, "gaussian_channel.toml"), Delta=0.5)
-        pr = aimsym.load(os.path.join(here, "glm_phase_retrieval.toml"))
+        gauss = load(os.path.join(here, "gaussian_channel.toml"), Delta=0.5)
+        pr = load(os.path.join(here, "glm_phase_retrieval.toml"))
         grid = np.linspace(0.05, 2.0, 40)
         se_g = np.array([se_gaussian_fixed_point(a, 0.5) for a in grid])
         se_g_closed = np.array([gaussian_channel_fixed_point(a, 0.5) for a in grid])  # aimsym.smi.se closed form

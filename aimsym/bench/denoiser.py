@@ -25,7 +25,7 @@ import numba
 import numpy as np
 from scipy import integrate
 
-import aimsym
+from aimsym.model import load
 from aimsym.denoise.channel import DEFAULT_POLAR
 
 ROOT = Path(__file__).resolve().parent.parent / "derivations"
@@ -128,7 +128,7 @@ def main(argv=None):
         if args.modal_only:
             return
     rng = np.random.default_rng(0)
-    m = aimsym.load(ROOT / "attention_L2_T2.toml", skip=1.0)
+    m = load(ROOT / "attention_L2_T2.toml", skip=1.0)
     print(f"threads available: {numba.config.NUMBA_NUM_THREADS}; {_load()}")
     print("two-layer T = 2 (skip 1), single thread, CPU microseconds per evaluation of (g_out, dg_out, log_z_out);")
     print("error = max over points of |g_out, dg_out - reference| / max(1, size) and |log_z_out - reference|,")
@@ -190,7 +190,7 @@ def main(argv=None):
                   f"{c:.2f} s CPU ({1e6 * t / big:.1f} us wall per evaluation; {_load()})", flush=True)
     if not args.skip_others:
         for name, vals in (("attention_L3_T2", {"skip": 1.0}), ("attention_L2_T3", {"skip": 1.0})):
-            mm = aimsym.load(ROOT / f"{name}.toml", **vals)
+            mm = load(ROOT / f"{name}.toml", **vals)
             Zm, ym = mm.sample(16, rng)
             omm = 0.6 * rng.standard_normal((16, mm.p, mm.tokens))
             numba.set_num_threads(1)
@@ -233,7 +233,7 @@ def bench_modal(args):
     numba.set_num_threads(1)
     print(f"rule='modal', tol {args.modal_tol:g}, {args.modal_batch} SE points (Q = 0.4 I), 1 thread; {_load()}")
     for name in args.modal_models.split(","):
-        m = aimsym.load(ROOT / f"{name}.toml", c=1.0)
+        m = load(ROOT / f"{name}.toml", c=1.0)
         p, T = m.p, m.tokens
         rng = np.random.default_rng(17)
         n = args.modal_batch

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-import aimsym
+from aimsym.model import load
 from aimsym.smi import se, thresholds
 
 L2 = "derivations/attention_L2_T2.toml"
@@ -54,7 +54,7 @@ def main(argv=None):
     ap.add_argument("--data", default="/tmp/aimsym_bench_se")
     args = ap.parse_args(argv)
     print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores)")
-    m = aimsym.load(L2, skip=1.0)
+    m = load(L2, skip=1.0)
     se.state_evolution(m, 0.5, samples=256, errors=False)  # compile / warm up
     t = time.perf_counter()
     r = se.state_evolution(m, 0.5, samples=4096, tol=1e-4, errors=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
 import sys
 import warnings
@@ -22,6 +21,7 @@ from ..errors import AimsymError
 _COMMAND_MODULES = (
     "aimsym.cli.derive",
     "aimsym.cli.se",
+    "aimsym.cli.studies",
     "aimsym.cli.amp",
     "aimsym.cli.aim",
     "aimsym.cli.erm",
@@ -49,21 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.register(sub)
     return parser
-
-
-def print_json(obj) -> None:
-    """Print ``obj`` as JSON (numpy arrays and scalars converted)."""
-    print(json.dumps(obj, indent=2, default=_to_builtin))
-
-
-def _to_builtin(obj):
-    import numpy as np
-
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    if isinstance(obj, np.generic):
-        return obj.item()
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
 # Options shared by several commands, checked right after parsing, before a model is loaded
@@ -132,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.showwarning = _show_warning
     if args.version:
-        from .. import __version__
+        from ..provenance import __version__
 
         print(__version__)
         return 0

@@ -5,28 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import AimsymError
+from . import common
 
 
 def parse_grid(text: str, field: str = "--alpha") -> tuple[np.ndarray, bool]:
-    """'0.1' -> ([0.1], False); 'start:stop:step' -> grid with stop included if on the grid;
-    'a,b,c' -> list. Returns (values, is_list)."""
-    text = str(text).strip()
-    try:
-        if ":" in text:
-            parts = [float(p) for p in text.split(":")]
-            if len(parts) != 3:
-                raise ValueError
-            start, stop, step = parts
-            if step <= 0 or stop < start:
-                raise AimsymError(field, f"grid start:stop:step needs step > 0 and stop >= start, got {text!r}")
-            n = int(np.floor((stop - start) / step + 1e-9))
-            vals = start + step * np.arange(n + 1)
-            return np.round(vals, 12), True
-        if "," in text:
-            return np.array([float(p) for p in text.split(",") if p.strip()]), True
-        return np.array([float(text)]), False
-    except ValueError:
-        raise AimsymError(field, f"expected a number, a list a,b,c or a grid start:stop:step, got {text!r}") from None
+    """'0.1' -> ([0.1], False); 'start:stop:step' (stop included if on the grid) or 'a,b,c' ->
+    (values, True): a list prints as a list even when it holds one value."""
+    return np.array(common.parse_grid(text, field, third="step")), common.is_list(text)
 
 
 def _common(p, alpha=True):
@@ -107,7 +92,7 @@ def _cmd_thresholds(args) -> int:
 
     out = se.thresholds(args.tokens, args.rho, args.activation, args.beta)
     if args.json:
-        from . import print_json
+        from .common import print_json
 
         print_json(out)
     else:
@@ -157,7 +142,7 @@ def _cmd_plot(args) -> int:
     which = None if args.which == "all" else [w.strip() for w in args.which.split(",")]
     written = plots.make_all(args.out, which=which, d=args.d, n_seeds=args.seeds)
     if args.json:
-        from . import print_json
+        from .common import print_json
 
         print_json({"written": written})
     else:
@@ -167,25 +152,7 @@ def _cmd_plot(args) -> int:
 
 
 def _emit(obj, args, columns) -> int:
-    if args.json:
-        from . import print_json
-
-        print_json(obj)
-        return 0
-    rows = obj if isinstance(obj, list) else [obj]
-    cols = [c for c in columns if c in rows[0]]
-    print("  ".join(f"{c:>14}" for c in cols))
-    for r in rows:
-        print("  ".join(f"{_fmt(r[c]):>14}" for c in cols))
-    return 0
-
-
-def _fmt(v):
-    if v is None:
-        return "-"
-    if isinstance(v, float | np.floating):
-        return f"{v:.8g}"
-    return str(v)
+    return common.emit(obj, args, columns, width=14, fmt=".8g")
 
 
 __all__ = ["register", "parse_grid"]

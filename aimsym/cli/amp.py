@@ -49,7 +49,7 @@ def register(subparsers) -> None:
 
 
 def _load(args):
-    from .. import load
+    from ..model import load
     from ..derive.spec import parse_assignments
 
     return load(args.model, **parse_assignments(args.assign))
@@ -80,20 +80,20 @@ def _nan_to_none(obj):
 
 
 def _emit(args, result, lines):
-    from . import print_json
+    from .common import print_json
 
     result = _nan_to_none(result)
 
     if args.output:
         import json
 
-        from . import _to_builtin
+        from .common import to_builtin
 
         from pathlib import Path
 
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         with open(args.output, "w") as fh:
-            json.dump(result, fh, indent=2, default=_to_builtin)
+            json.dump(result, fh, indent=2, default=to_builtin)
     if args.json:
         print_json(result)
     else:

@@ -29,14 +29,14 @@ def register(sub) -> None:
 
 
 def _load(args):
-    import aimsym
+    from ..model import load
     from aimsym.derive.spec import parse_assignments
 
-    return aimsym.load(Path(args.model), **parse_assignments(args.set))
+    return load(Path(args.model), **parse_assignments(args.set))
 
 
 def _derive(args) -> int:
-    from aimsym.cli import print_json
+    from aimsym.cli.common import print_json
 
     model = _load(args)
     d = model.derivation

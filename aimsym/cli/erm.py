@@ -9,20 +9,12 @@ from dataclasses import asdict
 import numpy as np
 
 from ..errors import AimsymError
+from . import common
 
 
-def parse_grid(text: str, field: str = "alpha") -> list[float]:
+def parse_grid(text: str, field: str = "--alpha") -> list[float]:
     """'0.05', '0.01,0.1', or 'start:stop:step' (stop included) -> list of floats."""
-    try:
-        if ":" in text:
-            a, b, s = (float(x) for x in text.split(":"))
-            if s <= 0 or b < a:
-                raise ValueError
-            n = int(np.floor((b - a) / s + 1e-9)) + 1
-            return [round(a + i * s, 12) for i in range(n)]
-        return [float(x) for x in text.split(",")]
-    except ValueError:
-        raise AimsymError(field, f"expected a number, a comma list or start:stop:step, got {text!r}")
+    return common.parse_grid(text, field, third="step")
 
 
 def _add_model_args(p):
@@ -64,14 +56,7 @@ def _prov(params, accuracy=None, seed=None):
 
 
 def _emit(args, rows, keys):
-    from . import print_json
-    if args.json:
-        print_json(rows[0] if len(rows) == 1 else rows)
-        return
-    print("  ".join(f"{k:>12}" for k in keys))
-    for r in rows:
-        print("  ".join(f"{r[k]:>12.6g}" if isinstance(r[k], (float, int, np.floating)) else f"{str(r[k]):>12}"
-                        for k in keys))
+    common.emit(rows[0] if len(rows) == 1 else rows, args, keys, width=12, fmt=".6g")
 
 
 def cmd_se(args) -> int:
@@ -131,7 +116,7 @@ def cmd_spectrum(args) -> int:
         out["adam"] = {"d": args.d, "seed": args.seed, "eigenvalues": res.eigenvalues,
                        "ks": ks_distance(fp, res.eigenvalues), "rank": res.rank, "test": res.test}
     out["provenance"] = _prov(params, asdict(acc), seed=args.seed if args.d else None)
-    from . import print_json
+    from .common import print_json
     if args.json:
         print_json(out)
     else:
@@ -161,7 +146,7 @@ def cmd_thresholds(args) -> int:
                      "interpolation_factorised": cf["interpolation"]["factorised"] * to_alpha}}
     from ..provenance import provenance
     out["provenance"] = provenance(accuracy={"delta0": 1e-4, "prior_nodes": 320})
-    from . import print_json
+    from .common import print_json
     if args.json:
         print_json(out)
     else:

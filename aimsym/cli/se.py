@@ -53,26 +53,15 @@ def register(sub) -> None:
     p.add_argument("--figure", default=None, help="with --over: draw the phase diagram (PNG) here")
     p.set_defaults(func=cmd_thresholds)
 
-    try:
-        from ..studies import sweep as _sweep
-    except ImportError:  # pragma: no cover
-        return
-    _sweep.register_cli(sub)
-    try:
-        from ..plot import se as _plot
-    except ImportError:  # pragma: no cover
-        return
-    _plot.register_cli(sub)
-
 
 def load_model(args):
-    import aimsym
+    from ..model import load
     from aimsym.derive.spec import parse_assignments
 
     path = Path(args.model)
     if not path.is_file():
         raise AimsymError("model", f"no such file: {args.model}")
-    return aimsym.load(path, **parse_assignments(args.set))
+    return load(path, **parse_assignments(args.set))
 
 
 def parse_block(text):
@@ -85,7 +74,7 @@ def parse_block(text):
 
 
 def cmd_se(args) -> int:
-    from . import print_json
+    from .common import print_json
     from ..smi.se import state_evolution
 
     model = load_model(args)
@@ -118,7 +107,7 @@ def cmd_se(args) -> int:
 
 
 def cmd_thresholds(args) -> int:
-    from . import print_json
+    from .common import print_json
     from ..smi.thresholds import threshold_report
 
     if args.over:
@@ -162,8 +151,8 @@ def _pm(x: float, err: float) -> str:
 def cmd_phase_diagram(args) -> int:
     import json
 
-    from . import print_json
-    from ..studies.sweep import parse_grid
+    from .common import print_json
+    from .common import parse_grid
     from ..smi.thresholds import phase_diagram, phase_rows
 
     name, _, grid = args.over.partition("=")

@@ -48,11 +48,11 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import ChannelError
+from .output import DenoiserOutput
 
 # default Gauss-Hermite points per dimension, by integral dimension (about 1e-9 relative
 # on the bundled models at moderate V, see docs/denoiser.md)
@@ -111,17 +111,6 @@ _STATUS = {
     3: ("y", "has zero likelihood under the model at this omega, V"),
     4: ("omega", "gave a non-finite posterior weight (|omega| or 1/V too large)"),
 }
-
-
-@dataclass
-class DenoiserOutput:
-    g_out: np.ndarray  # (..., p, T)
-    dg_out: np.ndarray  # (..., p, T, p, T)
-    log_z_out: np.ndarray  # (...)
-    ess: np.ndarray  # (...) effective number of quadrature nodes of the final pass
-    error: np.ndarray | None = None  # (...) estimated absolute error of g_out/dg_out
-    path: str = ""
-    polar: np.ndarray | None = None  # (...) True where the polar rule was used (else Gauss-Hermite)
 
 
 def _check_tol(tol):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ChannelError
+from .output import DenoiserOutput
 
 # outer polar rule (angle nodes per sector, radial nodes) and Gauss-Legendre nodes per graded
 # angular piece of a wedge; about 1e-9 relative at moderate V (docs/denoiser.md)
@@ -127,8 +128,6 @@ class HardmaxMixedDenoiser:
 
     def __call__(self, y, omega, V, *, error: bool = False, obs=None, tol: float | None = None,
                  max_refine: int = 3):
-        from .channel import DenoiserOutput
-
         if obs is not None:
             raise ChannelError("obs", "the hardmax-last-layer path takes y itself (no reduced observation)")
         if tol is not None and not (isinstance(tol, float | int) and not isinstance(tol, bool) and tol > 0):
@@ -208,38 +207,3 @@ class HardmaxMixedDenoiser:
             more = f" ({bad.size} samples affected)" if bad.size > 1 else ""
             raise ChannelError(fld, f"sample {i}: {msg}{more}")
         return g, dg, extra
-
-
-def bench(n: int = 64, seed: int = 0, sizes=((8, 24), (12, 32), (16, 40))) -> list[dict]:
-    """Time per evaluation and max relative error of g_out against polar (48, 128), wedge 16, at
-    n points from the two-layer model (c = 1), omega ~ 0.6 N(0, 1), V = [[1, .2], [.2, .8]].
-    Run single-threaded with ``NUMBA_NUM_THREADS=1 python -m aimsym.denoise.hardmax_channel``."""
-    import time
-
-    from .. import load
-    from ..derive.codegen import REPO_ROOT
-
-    m = load(REPO_ROOT / "derivations" / "hardmax_L2_T2.toml", c=1.0)
-    rng = np.random.default_rng(seed)
-    _, y = m.sample(n, rng)
-    om = 0.6 * rng.normal(size=(n, 2, 2))
-    V = np.array([[1.0, 0.2], [0.2, 0.8]])
-    ref = HardmaxMixedDenoiser(m, polar=(48, 128), wedge=16)(y, om, V)
-    rows = []
-    for pol in sizes:
-        den = HardmaxMixedDenoiser(m, polar=pol)
-        den(y[:1], om[:1], V)  # compile
-        best = np.inf
-        for _ in range(3):
-            t = time.perf_counter()
-            out = den(y, om, V)
-            best = min(best, (time.perf_counter() - t) / n)
-        err = float(np.abs(out.g_out - ref.g_out).max() / np.abs(ref.g_out).max())
-        rows.append({"polar": pol, "ms_per_eval": best * 1e3, "max_rel_err_g_out": err})
-    return rows
-
-
-if __name__ == "__main__":
-    for row in bench():
-        print(f"polar {row['polar']}: {row['ms_per_eval']:.2f} ms / evaluation, "
-              f"max rel. error of g_out {row['max_rel_err_g_out']:.1e}")

@@ -19,7 +19,7 @@ from pathlib import Path
 import sympy as sp
 from sympy.printing.pycode import PythonCodePrinter
 
-from .. import __version__
+from ..provenance import __version__
 from .latexutil import latex_program
 from .spec import Spec, to_toml
 from .symbolic import Derivation, derive

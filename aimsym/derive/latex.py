@@ -260,10 +260,10 @@ def _smi_model_lines(d: Derivation) -> list[str]:
 
 
 def _names(d: Derivation) -> dict:
-    from .latexutil import _symbol_names
+    from .latexutil import symbol_names
 
     exprs = list(d.link) + [e for _, e in d.program.defs]
-    return _symbol_names(exprs, _program_names(d), True, d.p, d.tokens)
+    return symbol_names(exprs, _program_names(d), True, d.p, d.tokens)
 
 
 def _program_names(d: Derivation) -> dict:
@@ -484,9 +484,9 @@ def _short_branches(d: Derivation) -> list[str]:
     red = d.reduction
     if len(red.solved) != 1:
         return []
-    from .latexutil import _symbol_names
+    from .latexutil import symbol_names
 
-    names = _symbol_names([e for br in red.branches for e in br], _names(d), True, d.p, d.tokens)
+    names = symbol_names([e for br in red.branches for e in br], _names(d), True, d.p, d.tokens)
     for i in red.log_free:  # the slot of a log-integrated entry carries s = log|u|
         names[d.Z[red.free[i]]] = "s"
     z = z_name(*red.solved[0], d.p, d.tokens)

@@ -23,7 +23,7 @@ def z_name(k: int, t: int, p: int | None = None, tokens: int | None = None) -> s
     return f"z_{{{k + 1},{t + 1}}}"
 
 
-def _symbol_names(exprs, extra: dict | None = None, one_based: bool = False,
+def symbol_names(exprs, extra: dict | None = None, one_based: bool = False,
                   p: int | None = None, tokens: int | None = None) -> dict:
     names = dict(extra or {})
     o = 1 if one_based else 0
@@ -69,7 +69,7 @@ def _plain(name: str, one_based: bool = False) -> str:
 
 def latex(expr, one_based: bool = False, p: int | None = None, tokens: int | None = None, **kw) -> str:
     exprs = list(expr) if isinstance(expr, sp.MatrixBase) else [expr]
-    return sp.latex(expr, symbol_names=_symbol_names(exprs, None, one_based, p, tokens), **kw)
+    return sp.latex(expr, symbol_names=symbol_names(exprs, None, one_based, p, tokens), **kw)
 
 
 def latex_program(program, named: list[tuple[str, sp.Expr]], max_chars: int = 20000, *,
@@ -82,7 +82,7 @@ def latex_program(program, named: list[tuple[str, sp.Expr]], max_chars: int = 20
     Jacobian's)."""
     exprs = [e for _, e in named]
     defs = [(s, e) for s, e in program.closure(exprs) if not skip or s not in skip]
-    names = _symbol_names(exprs + [e for _, e in defs] + [s for s, _ in defs], program.latex_names,
+    names = symbol_names(exprs + [e for _, e in defs] + [s for s, _ in defs], program.latex_names,
                           one_based, p, tokens)
     items = [(names.get(sym, sp.latex(sym)), e) for sym, e in defs] + list(named)
     lines: list[str] = []

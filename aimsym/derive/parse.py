@@ -14,6 +14,7 @@ import operator
 import sympy as sp
 
 from ..errors import SpecError
+from .activation import activate
 
 FUNCTIONS = {
     "abs": sp.Abs,
@@ -134,10 +135,7 @@ def parse_link(spec) -> sp.Matrix | sp.Expr:
         M = sp.Matrix([[one(e) for e in row] for row in link])
         act = getattr(spec, "activation", "linear")
         if act != "linear":
-            # sigma along rows, by the very functions attention layers use (lazy import:
-            # aimsym.derive.symbolic imports this module)
-            from .symbolic import activate
-
+            # sigma along rows, by the very functions attention layers use
             M = activate(act, M)
         return M
     return sp.Matrix([one(e) for e in link])

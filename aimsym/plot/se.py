@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 
-from ..errors import AimsymError
 
 
 def _plt():
@@ -146,49 +144,3 @@ def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None 
     fig.tight_layout()
     save_figure(fig, out)
     plt.close(fig)
-
-
-def register_cli(sub) -> None:
-    p = sub.add_parser("plot", help="overlaps vs alpha from a sweep store (+ thresholds JSON)")
-    p.add_argument("store", help="sweep SQLite file")
-    p.add_argument("--thresholds", default=None, help="JSON written by 'aimsym thresholds --json'")
-    p.add_argument("--init", default="uninformed", choices=("uninformed", "informed"),
-                   help="which stored start to draw (default uninformed)")
-    p.add_argument("--out", default="se_overlaps.png")
-    p.add_argument("--title", default="")
-    p.set_defaults(func=_cmd)
-
-
-def _load_thresholds(path, hashes) -> dict:
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-        steps = data["staircase"]
-        if not isinstance(steps, list) or not all(isinstance(t, dict) and "alpha" in t for t in steps):
-            raise KeyError("staircase")
-    except OSError as exc:
-        raise AimsymError("--thresholds", f"cannot read {path}: {exc.strerror}") from None
-    except (ValueError, KeyError, TypeError):
-        raise AimsymError("--thresholds", f"{path} is not the JSON of 'aimsym thresholds --json' "
-                                          "(needs a 'staircase' list of {alpha, stderr, subspace})") from None
-    h = (data.get("provenance") or {}).get("model_hash")
-    if h and h not in hashes:
-        import warnings
-
-        from ..errors import AimsymWarning
-
-        warnings.warn(AimsymWarning(f"--thresholds: {path} was computed for model {h}, which is not among the "
-                                    f"stored points ({', '.join(sorted(hashes))})"))
-    return data
-
-
-def _cmd(args) -> int:
-    from ..studies.sweep import table
-
-    rows = [r for r in table(args.store) if r["init"] == args.init]
-    if not rows:
-        raise AimsymError("store", f"{args.store}: no points with init = {args.init} stored")
-    th = _load_thresholds(args.thresholds, {r["model_hash"] for r in rows}) if args.thresholds else {}
-    overlaps(rows, args.out, th.get("staircase"), args.title, perfect=th.get("perfect_recovery"))
-    print(args.out)
-    return 0

@@ -574,14 +574,14 @@ def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, 
                 stair_nodes=None, staircase: bool = True, perfect: bool = False, pr_samples: int = 1024) -> dict:
     """alpha_c and the staircase thresholds of one model at ``name = value`` (one phase-diagram
     point); ``perfect``: also where the uninformed SE reaches Q = I (:mod:`aimsym.smi.perfect`)."""
-    import aimsym
+    from ..model import load
 
     t0 = time.perf_counter()
     used = float(value)
     note = None
     if name == "skip" and abs(used) < SKIP_FLOOR:
         used, note = SKIP_FLOOR, f"skip {value} evaluated at {SKIP_FLOOR} (mixing matrix singular on z1_0 = z1_1)"
-    model = aimsym.load(model_path, **{name: used})
+    model = load(model_path, **{name: used})
     n_ini = nodes
     n_st = stair_nodes if stair_nodes is not None else n_ini
     ini = initial_threshold(model, samples=samples, replicas=replicas, nodes=n_ini, seed=seed)

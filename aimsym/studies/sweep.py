@@ -19,7 +19,6 @@ import json
 import math
 import multiprocessing
 import sqlite3
-import time
 import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AimsymError, ConvergenceWarning
+from ..results import to_builtin
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS points (
     key TEXT PRIMARY KEY, model_hash TEXT, params TEXT, alpha REAL, init TEXT, record TEXT)"""
@@ -137,10 +137,10 @@ def _write(store, row) -> None:
 # ----------------------------------------------------------------------------- worker side
 @functools.lru_cache(maxsize=8)
 def _worker_model(text: str, name: str, params_json: str):
-    import aimsym
+    from ..model import load
     from ..derive.spec import loads
 
-    return aimsym.load(loads(text, default_name=name), **json.loads(params_json))
+    return load(loads(text, default_name=name), **json.loads(params_json))
 
 
 @functools.lru_cache(maxsize=4)
@@ -168,15 +168,7 @@ def run_point(text: str, name: str, params: dict, alpha: float, init: str, opts:
     rec["init"] = init
     rec["params"] = params
     return (point_key(model.hash(), alpha, init, opts), model.hash(), pj, float(alpha), init,
-            json.dumps(rec, default=_jsonable))
-
-
-def _jsonable(o):
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, np.generic):
-        return o.item()
-    raise TypeError(type(o).__name__)
+            json.dumps(rec, default=to_builtin))
 
 
 def grid(params: dict[str, list[float]]) -> list[dict]:
@@ -245,7 +237,7 @@ def run_sweep(model_path, alphas, *, params: dict | None = None, inits=("uninfor
               samples=2048, replicas=8, seed=0, nodes=None, tol=1e-4, workers=None, scheduler=None,
               progress=True) -> int:
     """Run (or resume) the sweep; returns the number of points computed in this call."""
-    import aimsym
+    from ..model import load
     from ..derive.spec import loads
 
     alphas = [float(a) for a in alphas]
@@ -262,7 +254,7 @@ def run_sweep(model_path, alphas, *, params: dict | None = None, inits=("uninfor
     spec = loads(text, default_name=name)
     combos = grid({k: [float(v) for v in vs] for k, vs in (params or {}).items()})
     # every combination is loaded here, so a bad name or value stops the sweep before any work
-    models = [aimsym.load(spec, **p) for p in combos]
+    models = [load(spec, **p) for p in combos]
     for m in models:
         m.params_array()  # every symbolic parameter has a value
     if progress:
@@ -443,82 +435,3 @@ def export(store, csv_path=None, parquet_path=None) -> list[dict]:
         Path(parquet_path).parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.Table.from_pylist(rows), parquet_path)
     return rows
-
-
-# ----------------------------------------------------------------------------- CLI
-def register_cli(sub) -> None:
-    p = sub.add_parser("sweep", help="SE over a grid of alpha (and parameters); resumable")
-    p.add_argument("model")
-    p.add_argument("--alpha", required=True, help="START:STOP:NUM (linspace) or comma-separated values")
-    p.add_argument("--set", action="append", metavar="NAME=V1[,V2...]", help="parameter value(s) (repeatable)")
-    p.add_argument("--init", default="uninformed", help="uninformed, informed or both (comma-separated)")
-    p.add_argument("--store", default="sweep.sqlite",
-                   help="SQLite file written by this process only (its folder is created if missing)")
-    p.add_argument("--csv", default=None)
-    p.add_argument("--parquet", default=None)
-    p.add_argument("--samples", type=int, default=2048)
-    p.add_argument("--replicas", type=int, default=8)
-    p.add_argument("--nodes", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tol", type=float, default=1e-4)
-    p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--scheduler", default=None, help="Dask distributed scheduler ADDRESS")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cmd)
-
-
-def parse_grid(text: str, fld: str = "--alpha") -> list[float]:
-    """START:STOP:NUM (linspace, NUM >= 1) or V1,V2,...: finite numbers."""
-    allowed = "START:STOP:NUM (NUM an integer >= 1) or comma-separated finite numbers"
-    try:
-        if ":" in text:
-            a, b, n = text.split(":")
-            if int(n) < 1:
-                raise ValueError
-            vals = np.linspace(float(a), float(b), int(n)).tolist()
-        else:
-            vals = [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise AimsymError(fld, f"expected {allowed}, got {text!r}") from None
-    if not vals or not all(math.isfinite(v) for v in vals):
-        raise AimsymError(fld, f"expected {allowed}, got {text!r}")
-    return vals
-
-
-def parse_sets(items) -> dict[str, list[float]]:
-    """``--set NAME=V1[,V2...]`` (repeatable) -> {name: values}."""
-    params: dict[str, list[float]] = {}
-    for item in items or ():
-        k, _, v = item.partition("=")
-        if not k.strip() or not v.strip():
-            raise AimsymError("--set", f"expected NAME=V1[,V2...], got {item!r}")
-        params[k.strip()] = parse_grid(v, f"--set {k.strip()}")
-    return params
-
-
-def _cmd(args) -> int:
-    from ..cli import print_json
-
-    params = parse_sets(args.set)
-    inits = tuple(s.strip() for s in args.init.split(","))
-    if any(i not in ("uninformed", "informed") for i in inits):
-        raise AimsymError("--init", f"expected uninformed and/or informed, got {args.init!r}")
-    check_parquet(args.parquet)
-    t0 = time.perf_counter()
-    n = run_sweep(args.model, parse_grid(args.alpha), params=params, inits=inits, store=args.store,
-                  samples=args.samples, replicas=args.replicas, seed=args.seed, nodes=args.nodes, tol=args.tol,
-                  workers=args.workers, scheduler=args.scheduler, progress=not args.json)
-    rows = export(args.store, args.csv, args.parquet)
-    slow = sum(1 for r in rows if not r["converged"])
-    summary = {"computed": n, "stored": len(rows), "not_converged": slow, "store": args.store, "csv": args.csv,
-               "parquet": args.parquet, "seconds": time.perf_counter() - t0}
-    if slow:
-        import sys
-
-        sys.stderr.write(f"aimsym: warning: {slow} of {len(rows)} stored points did not converge within the "
-                         "iteration limit (column 'converged' of --csv); raise --samples or loosen --tol\n")
-    if args.json:
-        print_json(summary)
-    else:
-        print(f"computed {n} points, {len(rows)} in {args.store} ({summary['seconds']:.1f} s)")
-    return 0
