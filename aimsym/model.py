@@ -1,13 +1,16 @@
 """A loaded model: symbolic spec + bound parameter values + its generated kernels.
 
 The generated kernels are built from the *symbolic* spec (parameters such as ``skip`` stay
-symbols), so one compiled module serves every value; values are passed at run time.
+symbols), so one compiled module serves every value; values are passed at run time. Everything a
+solver reads (observation map, index labels, symmetries, counting bound) comes from the generated
+module as plain data: only ``derivation`` and ``summary`` (the derive verb) import SymPy.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+from typing import NamedTuple
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +23,20 @@ from .errors import AimsymError, SpecError
 COMPILE_NOTICE = True
 _NOTICED: set[str] = set()
 from .derive.spec import AttentionSpec, Spec
+
+
+class IndexLabel(NamedTuple):
+    """What row k of Z is: layer l (1-based), head, role ('w' tied, 'q'/'k' untied), rank i."""
+
+    layer: int
+    head: int
+    role: str
+    rank: int
+
+    def text(self) -> str:
+        role = {"w": "W", "q": "W_Q", "k": "W_K"}[self.role]
+        head = f", head {self.head + 1}" if self.head else ""
+        return f"layer {self.layer}{head}: {role} column {self.rank + 1}"
 
 
 @dataclass(frozen=True)
@@ -68,7 +85,7 @@ class Model:
 
     @functools.cached_property
     def kernels(self):
-        from .derive.codegen import cache_dir, load_kernels
+        from .derive.files import cache_dir
 
         try:
             return load_kernels(self.spec)
@@ -138,16 +155,39 @@ class Model:
         self.kernels.link_jacobian_batch(flat, self.params_array(), out)
         return out.reshape(*batch, *self.output_shape, self.p, self.tokens)
 
+    # ------------------------------------------------------------------ plain data of the generated module
+    @property
+    def labels(self) -> tuple[IndexLabel, ...]:
+        return tuple(IndexLabel(*lb) for lb in self.kernels.INDEX_LABELS)
+
+    @property
+    def symmetries(self) -> list[dict]:
+        """Sign flips of groups of rows of Z leaving the link invariant: [{"name", "rows"}]."""
+        return [{"name": name, "rows": list(rows)} for name, rows in self.kernels.SIGN_SYMMETRIES]
+
+    @property
+    def counting(self) -> dict:
+        """The counting bound of perfect recovery (m, alpha_pr = p / m, note)."""
+        return dict(self.kernels.COUNTING)
+
+    @property
+    def reduction_reason(self) -> str:
+        return self.kernels.REDUCTION_REASON
+
+    @property
+    def has_observation(self) -> bool:
+        """Whether the denoiser observes a quantity computed from Z (h) rather than y itself."""
+        return self.kernels.observation_values is not None
+
     def observation(self, Z) -> np.ndarray:
         """The denoiser's observed quantity computed from the indices, shape (..., n_obs):
         h = M_{L-1} z_L^T for attention models (exact even where y = g(Z) underflows), else y."""
-        red = self.derivation.reduction
         batch, flat = self._flat(Z)
-        if red is not None and red.obs_from_Z is not None:
-            from .derive.symbolic import numeric_function
-
-            f = numeric_function(self.derivation, red.obs_from_Z, (len(red.obs_from_Z),))
-            return f(flat, self.params_array()).reshape(*batch, len(red.obs_from_Z))
+        if self.has_observation:
+            with np.errstate(over="ignore"):
+                vals = self.kernels.observation_values(flat, self.params_array())
+            vals = [np.broadcast_to(np.asarray(v, dtype=float), flat.shape[:-2]) for v in vals]
+            return np.stack(vals, axis=-1).reshape(*batch, len(vals))
         y = self.link(Z)
         return y.reshape(*Z.shape[:-2], -1)
 
@@ -175,12 +215,31 @@ class Model:
         return s
 
 
+def load_kernels(spec):
+    """Generated module for ``spec``: the committed one if bundled and current, otherwise
+    generated into the cache directory keyed by the spec hash (the only step needing SymPy),
+    imported from its content-keyed copy in the user cache."""
+    from .derive import files
+
+    path = files.module_path(spec)
+    if not files.header_matches(spec, path):
+        path = files.module_path(spec, bundled=False)
+        if not files.header_matches(spec, path):
+            from .derive.codegen import write_module
+
+            write_module(spec, path)
+    return files.import_module(files.content_copy(path))
+
+
 def load(source, **values) -> Model:
-    """``source``: a path to a TOML file, a TOML string, or a spec."""
+    """``source``: a path to a TOML file, the name of a bundled model (``"attention_L2_T2"``),
+    a TOML string, or a spec."""
     if isinstance(source, AttentionSpec | spec_mod.SMISpec):
         spec = source
-    elif isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith(".toml")):
-        spec = spec_mod.load(source)
+    elif isinstance(source, Path) or (isinstance(source, str) and "\n" not in source):
+        from .derive.files import resolve
+
+        spec = spec_mod.load(resolve(source))  # a file or a bundled name
     elif isinstance(source, str):
         spec = spec_mod.loads(source)
     else:

@@ -2,7 +2,7 @@
 
 model: attention_L1_T2
 spec hash: c3efac14bf93124d
-generator: 0.1.0+54774b8759
+generator: 0.1.0+a6f9902931
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'c3efac14bf93124d'
-GENERATOR_VERSION = '0.1.0+54774b8759'
+GENERATOR_VERSION = '0.1.0+a6f9902931'
 NAME = 'attention_L1_T2'
 P = 1
 T = 2
@@ -52,6 +52,12 @@ FREE_LOG = np.array([], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,),)
+
+# plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)
+INDEX_LABELS = ((1, 0, 'w', 0),)
+SIGN_SYMMETRIES = (('layer 1: z_1 -> -z_1', (0,)), ('Z -> -Z', (0,)))
+COUNTING = {'m': 2, 'p': 1, 'alpha_pr': 0.5, 'margin': None, 'noiseless': True, 'note': 'Bayes-optimal error > 0 for alpha < alpha_PR = p/m'}
+REDUCTION_REASON = 'y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly'
 
 
 @njit(cache=True)
@@ -204,6 +210,14 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+def observation_values(Z, params):
+    import numpy
+    z_0_0 = Z[..., 0, 0]
+    z_0_1 = Z[..., 0, 1]
+    beta = params[0]
+    return [z_0_0, z_0_1]
 
 
 # ============================================================================

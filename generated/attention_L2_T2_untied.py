@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_untied
 spec hash: d8a6e2bfe6d0f663
-generator: 0.1.0+54774b8759
+generator: 0.1.0+a6f9902931
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: last layer untied (needs tied query/key))
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'd8a6e2bfe6d0f663'
-GENERATOR_VERSION = '0.1.0+54774b8759'
+GENERATOR_VERSION = '0.1.0+a6f9902931'
 NAME = 'attention_L2_T2_untied'
 P = 4
 T = 2
@@ -52,6 +52,12 @@ FREE_LOG = np.array([0, 0, 0, 0, 0, 0, 0, 0], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0, 1), (2, 3))
+
+# plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)
+INDEX_LABELS = ((1, 0, 'q', 0), (1, 0, 'k', 0), (2, 0, 'q', 0), (2, 0, 'k', 0))
+SIGN_SYMMETRIES = (('layer 1: z_1 -> -z_1', (0, 1)), ('layer 2: z_2 -> -z_2', (2, 3)), ('Z -> -Z', (0, 1, 2, 3)))
+COUNTING = {'m': 2, 'p': 4, 'alpha_pr': 2.0, 'margin': 1075773902200.1283, 'noiseless': True, 'note': 'Bayes-optimal error > 0 for alpha < alpha_PR = p/m'}
+REDUCTION_REASON = 'no exact reduction: last layer untied (needs tied query/key)'
 
 
 @njit(cache=True)
@@ -314,6 +320,9 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+observation_values = None  # the denoiser observes y itself
 
 
 # ============================================================================

@@ -2,7 +2,7 @@
 
 model: attention_L2_T3
 spec hash: b0844d41f655f71c
-generator: 0.1.0+54774b8759
+generator: 0.1.0+a6f9902931
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'b0844d41f655f71c'
-GENERATOR_VERSION = '0.1.0+54774b8759'
+GENERATOR_VERSION = '0.1.0+a6f9902931'
 NAME = 'attention_L2_T3'
 P = 2
 T = 3
@@ -52,6 +52,12 @@ FREE_LOG = np.array([0, 0, 0], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,), (1,))
+
+# plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)
+INDEX_LABELS = ((1, 0, 'w', 0), (2, 0, 'w', 0))
+SIGN_SYMMETRIES = (('layer 1: z_1 -> -z_1', (0,)), ('layer 2: z_2 -> -z_2', (1,)), ('Z -> -Z', (0, 1)))
+COUNTING = {'m': 3, 'p': 2, 'alpha_pr': 0.6666666666666666, 'margin': 585022902642831.4, 'noiseless': True, 'note': 'Bayes-optimal error > 0 for alpha < alpha_PR = p/m'}
+REDUCTION_REASON = 'y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly'
 
 
 @njit(cache=True)
@@ -550,6 +556,33 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+def observation_values(Z, params):
+    import numpy
+    z_0_0 = Z[..., 0, 0]
+    z_0_1 = Z[..., 0, 1]
+    z_0_2 = Z[..., 0, 2]
+    z_1_0 = Z[..., 1, 0]
+    z_1_1 = Z[..., 1, 1]
+    z_1_2 = Z[..., 1, 2]
+    c = params[0]
+    _A1_0_0 = z_0_0**2
+    _A1_1_1 = z_0_1**2
+    _A1_2_2 = z_0_2**2
+    _S1_0_0 = (numpy.exp(-_A1_0_0 + z_0_0*z_0_1) + numpy.exp(-_A1_0_0 + z_0_0*z_0_2) + 1)**(-1.0)
+    _S1_0_1 = (numpy.exp(_A1_0_0 - z_0_0*z_0_1) + numpy.exp(-z_0_0*z_0_1 + z_0_0*z_0_2) + 1)**(-1.0)
+    _S1_0_2 = (numpy.exp(_A1_0_0 - z_0_0*z_0_2) + numpy.exp(z_0_0*z_0_1 - z_0_0*z_0_2) + 1)**(-1.0)
+    _S1_1_0 = (numpy.exp(_A1_1_1 - z_0_0*z_0_1) + numpy.exp(-z_0_0*z_0_1 + z_0_1*z_0_2) + 1)**(-1.0)
+    _S1_1_1 = (numpy.exp(-_A1_1_1 + z_0_0*z_0_1) + numpy.exp(-_A1_1_1 + z_0_1*z_0_2) + 1)**(-1.0)
+    _S1_1_2 = (numpy.exp(_A1_1_1 - z_0_1*z_0_2) + numpy.exp(z_0_0*z_0_1 - z_0_1*z_0_2) + 1)**(-1.0)
+    _S1_2_0 = (numpy.exp(_A1_2_2 - z_0_0*z_0_2) + numpy.exp(-z_0_0*z_0_2 + z_0_1*z_0_2) + 1)**(-1.0)
+    _S1_2_1 = (numpy.exp(_A1_2_2 - z_0_1*z_0_2) + numpy.exp(z_0_0*z_0_2 - z_0_1*z_0_2) + 1)**(-1.0)
+    _S1_2_2 = (numpy.exp(-_A1_2_2 + z_0_0*z_0_2) + numpy.exp(-_A1_2_2 + z_0_1*z_0_2) + 1)**(-1.0)
+    _M1_0_0 = _S1_0_0 + c
+    _M1_1_1 = _S1_1_1 + c
+    _M1_2_2 = _S1_2_2 + c
+    return [_M1_0_0*z_1_0 + _S1_0_1*z_1_1 + _S1_0_2*z_1_2, _M1_1_1*z_1_1 + _S1_1_0*z_1_0 + _S1_1_2*z_1_2, _M1_2_2*z_1_2 + _S1_2_0*z_1_0 + _S1_2_1*z_1_1]
 
 
 # ============================================================================

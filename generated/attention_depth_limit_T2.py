@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: ca1478c005423335
-generator: 0.1.0+54774b8759
+generator: 0.1.0+a6f9902931
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -35,7 +35,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'ca1478c005423335'
-GENERATOR_VERSION = '0.1.0+54774b8759'
+GENERATOR_VERSION = '0.1.0+a6f9902931'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2
@@ -55,6 +55,12 @@ FREE_LOG = np.array([0, 0], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,),)
+
+# plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)
+INDEX_LABELS = ((1, 0, 'w', 0),)
+SIGN_SYMMETRIES = (('layer 1: z_1 -> -z_1', (0,)), ('Z -> -Z', (0,)))
+COUNTING = {'m': 2, 'p': 1, 'alpha_pr': 0.5, 'margin': None, 'noiseless': False, 'note': 'perfect recovery only at Delta = 0 (then above alpha_PR = p/m); none with output noise'}
+REDUCTION_REASON = 'no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form)'
 
 
 @njit(cache=True)
@@ -2812,6 +2818,9 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+observation_values = None  # the denoiser observes y itself
 
 
 # ============================================================================

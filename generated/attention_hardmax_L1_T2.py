@@ -2,7 +2,7 @@
 
 model: attention_hardmax_L1_T2
 spec hash: f90cb13227cdef10
-generator: 0.1.0+54774b8759
+generator: 0.1.0+a6f9902931
 denoiser path: exact (hardmax, one layer, T = 2: region constraint (union of wedges), closed form)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'f90cb13227cdef10'
-GENERATOR_VERSION = '0.1.0+54774b8759'
+GENERATOR_VERSION = '0.1.0+a6f9902931'
 NAME = 'attention_hardmax_L1_T2'
 P = 1
 T = 2
@@ -52,6 +52,12 @@ FREE_LOG = np.array([], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,),)
+
+# plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)
+INDEX_LABELS = ((1, 0, 'w', 0),)
+SIGN_SYMMETRIES = (('layer 1: z_1 -> -z_1', (0,)), ('Z -> -Z', (0,)))
+COUNTING = {'m': 0, 'p': 1, 'alpha_pr': None, 'margin': None, 'noiseless': True, 'note': 'dy/dZ = 0 almost everywhere (discrete output): no perfect recovery at any alpha'}
+REDUCTION_REASON = 'hardmax, one layer, T = 2: region constraint (union of wedges), closed form'
 
 
 @njit(cache=True)
@@ -177,6 +183,9 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+observation_values = None  # the denoiser observes y itself
 
 
 # ============================================================================

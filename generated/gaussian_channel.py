@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+54774b8759
+generator: 0.1.0+a6f9902931
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+54774b8759'
+GENERATOR_VERSION = '0.1.0+a6f9902931'
 NAME = 'gaussian_channel'
 P = 1
 T = 1
@@ -45,6 +45,12 @@ FREE_LOG = np.array([0], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ()
+
+# plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)
+INDEX_LABELS = ((1, 0, 'w', 0),)
+SIGN_SYMMETRIES = ()
+COUNTING = {'m': 1, 'p': 1, 'alpha_pr': 1.0, 'margin': None, 'noiseless': False, 'note': 'perfect recovery only at Delta = 0 (then above alpha_PR = p/m); none with output noise'}
+REDUCTION_REASON = 'noisy channel (noise > 0): integrated over all of Z'
 
 
 @njit(cache=True)
@@ -138,6 +144,9 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+observation_values = None  # the denoiser observes y itself
 
 
 # ============================================================================

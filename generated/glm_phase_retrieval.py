@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+54774b8759
+generator: 0.1.0+a6f9902931
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+54774b8759'
+GENERATOR_VERSION = '0.1.0+a6f9902931'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1
@@ -45,6 +45,12 @@ FREE_LOG = np.array([], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,),)
+
+# plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)
+INDEX_LABELS = ((1, 0, 'w', 0),)
+SIGN_SYMMETRIES = (('z[0, :] -> -z[0, :]', (0,)), ('Z -> -Z', (0,)))
+COUNTING = {'m': 1, 'p': 1, 'alpha_pr': 1.0, 'margin': None, 'noiseless': True, 'note': 'Bayes-optimal error > 0 for alpha < alpha_PR = p/m'}
+REDUCTION_REASON = 'solved y = g(Z) for z_0_0 (2 branches)'
 
 
 @njit(cache=True)
@@ -141,6 +147,9 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+observation_values = None  # the denoiser observes y itself
 
 
 # ============================================================================

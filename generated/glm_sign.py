@@ -2,7 +2,7 @@
 
 model: glm_sign
 spec hash: c64eee4aaf29a557
-generator: 0.1.0+54774b8759
+generator: 0.1.0+a6f9902931
 denoiser path: exact (sign of a single index (z_0_0): half-space constraint, closed form)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'c64eee4aaf29a557'
-GENERATOR_VERSION = '0.1.0+54774b8759'
+GENERATOR_VERSION = '0.1.0+a6f9902931'
 NAME = 'glm_sign'
 P = 1
 T = 1
@@ -45,6 +45,12 @@ FREE_LOG = np.array([], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ()
+
+# plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)
+INDEX_LABELS = ((1, 0, 'w', 0),)
+SIGN_SYMMETRIES = ()
+COUNTING = {'m': 0, 'p': 1, 'alpha_pr': None, 'margin': None, 'noiseless': True, 'note': 'dy/dZ = 0 almost everywhere (discrete output): no perfect recovery at any alpha'}
+REDUCTION_REASON = 'sign of a single index (z_0_0): half-space constraint, closed form'
 
 
 @njit(cache=True)
@@ -131,6 +137,9 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+observation_values = None  # the denoiser observes y itself
 
 
 # ============================================================================

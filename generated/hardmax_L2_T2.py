@@ -2,7 +2,7 @@
 
 model: hardmax_L2_T2
 spec hash: 7508f35d33687fef
-generator: 0.1.0+54774b8759
+generator: 0.1.0+a6f9902931
 denoiser path: exact (hardmax last layer after a tied rank-one first layer, T = 2: region constraint (z_2 in a union of wedges depending on z_1), 2-D integral over z_1)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '7508f35d33687fef'
-GENERATOR_VERSION = '0.1.0+54774b8759'
+GENERATOR_VERSION = '0.1.0+a6f9902931'
 NAME = 'hardmax_L2_T2'
 P = 2
 T = 2
@@ -52,6 +52,12 @@ FREE_LOG = np.array([0, 0], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,), (1,))
+
+# plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)
+INDEX_LABELS = ((1, 0, 'w', 0), (2, 0, 'w', 0))
+SIGN_SYMMETRIES = (('layer 1: z_1 -> -z_1', (0,)), ('layer 2: z_2 -> -z_2', (1,)), ('Z -> -Z', (0, 1)))
+COUNTING = {'m': 0, 'p': 2, 'alpha_pr': None, 'margin': None, 'noiseless': True, 'note': 'dy/dZ = 0 almost everywhere (discrete output): no perfect recovery at any alpha'}
+REDUCTION_REASON = 'hardmax last layer after a tied rank-one first layer, T = 2: region constraint (z_2 in a union of wedges depending on z_1), 2-D integral over z_1'
 
 
 @njit(cache=True)
@@ -251,6 +257,9 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+observation_values = None  # the denoiser observes y itself
 
 
 @njit(cache=True)

@@ -2,7 +2,7 @@
 
 model: mim_product
 spec hash: 256c784af7e77580
-generator: 0.1.0+54774b8759
+generator: 0.1.0+a6f9902931
 denoiser path: exact (solved y = g(Z) for z_1_0 (1 branch))
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '256c784af7e77580'
-GENERATOR_VERSION = '0.1.0+54774b8759'
+GENERATOR_VERSION = '0.1.0+a6f9902931'
 NAME = 'mim_product'
 P = 2
 T = 1
@@ -45,6 +45,12 @@ FREE_LOG = np.array([1], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ()
+
+# plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)
+INDEX_LABELS = ((1, 0, 'w', 0), (1, 0, 'w', 1))
+SIGN_SYMMETRIES = (('Z -> -Z', (0, 1)),)
+COUNTING = {'m': 1, 'p': 2, 'alpha_pr': 2.0, 'margin': None, 'noiseless': True, 'note': 'Bayes-optimal error > 0 for alpha < alpha_PR = p/m'}
+REDUCTION_REASON = 'solved y = g(Z) for z_1_0 (1 branch)'
 
 
 @njit(cache=True)
@@ -147,6 +153,9 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+observation_values = None  # the denoiser observes y itself
 
 
 # ============================================================================

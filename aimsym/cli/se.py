@@ -58,7 +58,9 @@ def load_model(args):
     from ..model import load
     from aimsym.derive.spec import parse_assignments
 
-    path = Path(args.model)
+    from ..derive.files import resolve
+
+    path = resolve(args.model)
     if not path.is_file():
         raise AimsymError("model", f"no such file: {args.model}")
     return load(path, **parse_assignments(args.set))

@@ -205,7 +205,7 @@ class Denoiser:
         if self.path == "generic" and not model.noise > 0:
             raise ChannelError(
                 "noise",
-                f"model {model.name!r} has no exact reduction ({model.derivation.reduction_reason}); "
+                f"model {model.name!r} has no exact reduction ({model.reduction_reason}); "
                 "the generic path needs output noise Delta > 0 (set noise in the model file)",
             )
         if nodes is None:

@@ -58,7 +58,7 @@ def _source(kernels) -> str:
 def load(kernels):
     """The model's generated module with the modal driver appended, imported from a file in the
     cache directory keyed by its content (so numba's on-disk cache serves it)."""
-    from ..derive.codegen import cache_dir, import_module
+    from ..derive.files import cache_dir, import_module
 
     text = _source(kernels)
     key = hashlib.sha1(text.encode()).hexdigest()[:16]

@@ -9,17 +9,15 @@ generator version), which ``aimsym generate --check`` uses to detect stale commi
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import os
 import re
-import sys
 from pathlib import Path
 
 import sympy as sp
 from sympy.printing.pycode import PythonCodePrinter
 
-from ..provenance import __version__
+from .files import (  # noqa: F401 (locations and loading, re-exported for callers of codegen)
+    GENERATOR_VERSION, REPO_ROOT, cache_dir, generated_dir, header_matches, import_module, is_bundled,
+    module_path)
 from .latexutil import latex_program
 from .spec import Spec, to_toml
 from .symbolic import Derivation, derive
@@ -28,12 +26,6 @@ TEMPLATE = Path(__file__).parent.parent / "denoise" / "driver_template.py"
 # second driver, appended only to models whose reduction is a hardmax last layer after a
 # first layer (kind "hardmax-wedge-mixed"): aimsym/denoise/hardmax_template.py
 HARDMAX_TEMPLATE = Path(__file__).parent.parent / "denoise" / "hardmax_template.py"
-# the generator's identity: package version + digest of the generator and driver sources, so
-# that any change to either marks every generated module stale
-GENERATOR_VERSION = __version__ + "+" + hashlib.sha256(
-    Path(__file__).read_bytes() + TEMPLATE.read_bytes() + HARDMAX_TEMPLATE.read_bytes()
-).hexdigest()[:10]
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Printer(PythonCodePrinter):
@@ -438,6 +430,18 @@ def _polar_angles(spec: Spec, d: Derivation) -> list[float]:
     return [0.0, math.pi / 4, math.pi / 2, math.pi, 5 * math.pi / 4, 3 * math.pi / 2, 2 * math.pi]
 
 
+def _observation_function(d: Derivation) -> list[str]:
+    """numpy (not numba) map Z -> the denoiser's observation (h = M_{L-1} z_L^T for attention
+    models), printed exactly as symbolic.numeric_function prints it; None where y is observed."""
+    from .symbolic import numpy_source
+
+    red = d.reduction
+    if red is None or red.obs_from_Z is None:
+        return ["observation_values = None  # the denoiser observes y itself"]
+    src = numpy_source(d, red.obs_from_Z, "observation_values").splitlines()
+    return [src[0], "    import numpy", *src[1:]]
+
+
 def module_source(spec: Spec) -> str:
     d = derive(spec)
     red = d.reduction
@@ -495,6 +499,12 @@ def module_source(spec: Spec) -> str:
         f"HAS_POLAR = {bool(polar_angles)}  # a compile-time constant: models without the polar rule skip compiling it",
         f"EVEN_ROWS = {tuple(tuple(s['rows']) for s in d.symmetries if s['name'] != 'Z -> -Z')!r}",
         "",
+        "# plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)",
+        f"INDEX_LABELS = {tuple((lb.layer, lb.head, lb.role, lb.rank) for lb in d.labels)!r}",
+        f"SIGN_SYMMETRIES = {tuple((s['name'], tuple(s['rows'])) for s in d.symmetries)!r}",
+        f"COUNTING = {d.counting!r}",
+        f"REDUCTION_REASON = {d.reduction_reason!r}",
+        "",
         "",
         "@njit(cache=True)",
         "def _heaviside(x):",
@@ -522,6 +532,7 @@ def module_source(spec: Spec) -> str:
     ]
     parts = [_link_kernel(d), _jacobian_kernel(d), _noise_kernel(d), _last_beta_kernel(d), _branch_kernel(d),
              _polar_kernels(spec, d)]
+    parts.append(_observation_function(d))
     hardmax_mixed = red is not None and red.kind == "hardmax-wedge-mixed"
     if hardmax_mixed:
         parts.append(_mixing_kernel(d))
@@ -538,43 +549,6 @@ def module_source(spec: Spec) -> str:
 # ----------------------------------------------------------------------------- files
 
 
-def generated_dir() -> Path:
-    return REPO_ROOT / "generated"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("AIMSYM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "aimsym"
-    )
-    return Path(root)
-
-
-def module_path(spec: Spec, *, bundled: bool | None = None) -> Path:
-    """Where the module for ``spec`` lives: ``generated/NAME.py`` for bundled derivations,
-    otherwise a cache directory keyed by the spec hash."""
-    if bundled is None:
-        bundled = is_bundled(spec)
-    if bundled:
-        return generated_dir() / f"{spec.name}.py"
-    return cache_dir() / spec.hash() / f"{_pyname(spec.name)}_{spec.hash()}.py"
-
-
-def _pyname(name: str) -> str:
-    return "".join(ch if ch.isalnum() else "_" for ch in name)
-
-
-def is_bundled(spec: Spec) -> bool:
-    from . import spec as spec_mod
-
-    f = REPO_ROOT / "derivations" / f"{spec.name}.toml"
-    if not f.exists():
-        return False
-    try:
-        return spec_mod.load(f) == spec
-    except Exception:  # a broken bundled file is not this spec
-        return False
-
-
 def write_module(spec: Spec, path: Path | None = None) -> Path:
     path = path or module_path(spec)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -588,36 +562,3 @@ def write_module(spec: Spec, path: Path | None = None) -> Path:
 
 def is_stale(spec: Spec, path: Path) -> bool:
     return not path.exists() or path.read_text() != module_source(spec)
-
-
-def import_module(path: Path):
-    """Import a generated module from its file (cached in ``sys.modules`` by content hash)."""
-    key = "aimsym_generated_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
-    mod = sys.modules.get(key)
-    if mod is not None and getattr(mod, "__file__", None) == str(path):
-        return mod
-    spec = importlib.util.spec_from_file_location(key, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[key] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def header_matches(spec: Spec, path: Path) -> bool:
-    """Cheap currency test for loading: spec hash and generator identity in the header."""
-    if not path.exists():
-        return False
-    with path.open() as fh:
-        head = fh.read(4096)
-    return f"SPEC_HASH = {spec.hash()!r}" in head and f"GENERATOR_VERSION = {GENERATOR_VERSION!r}" in head
-
-
-def load_kernels(spec: Spec):
-    """Generated module for ``spec``: the committed one if bundled and current, otherwise
-    generated into the cache directory keyed by the spec hash."""
-    path = module_path(spec)
-    if not header_matches(spec, path):
-        path = module_path(spec, bundled=False)
-        if not header_matches(spec, path):
-            write_module(spec, path)
-    return import_module(path)

@@ -576,10 +576,10 @@ def _nonneg(g: sp.Expr) -> bool:
 # ----------------------------------------------------------------------------- numerics
 
 
-def numeric_function(d: Derivation, outputs, shape, extra_defs=()):
-    """A numpy function ``f(Z, params=()) -> array (..., *shape)`` evaluating ``outputs``
-    through the program. The source is printed from SymPy objects built by aimsym itself
-    (free-form links are parsed without eval), so compiling it runs no user code."""
+def numpy_source(d: Derivation, outputs, name: str = "_f", extra_defs=()) -> str:
+    """Source of a numpy function ``name(Z, params) -> list of arrays`` evaluating ``outputs``
+    through the program (printed here, run by :func:`numeric_function` or written into a
+    generated module, so that solving needs no SymPy)."""
     from sympy.printing.numpy import NumPyPrinter
 
     class _Printer(NumPyPrinter):
@@ -592,14 +592,21 @@ def numeric_function(d: Derivation, outputs, shape, extra_defs=()):
     pr = _Printer({"fully_qualified_modules": True})
     prog = Program()
     prog.defs = list(d.program.defs) + list(extra_defs)
-    lines = ["def _f(Z, params):"]
+    lines = [f"def {name}(Z, params):"]
     lines += [f"    {z.name} = Z[..., {k}, {t}]" for k in range(d.p) for t in range(d.tokens)
               for z in [d.Z[k, t]]]
     lines += [f"    {s.name} = params[{i}]" for i, s in enumerate(d.params)]
     lines += [f"    {sym.name} = {pr.doprint(e)}" for sym, e in prog.closure(outputs)]
     lines.append("    return [" + ", ".join(pr.doprint(e) for e in outputs) + "]")
+    return "\n".join(lines)
+
+
+def numeric_function(d: Derivation, outputs, shape, extra_defs=()):
+    """A numpy function ``f(Z, params=()) -> array (..., *shape)`` evaluating ``outputs``
+    through the program. The source is printed from SymPy objects built by aimsym itself
+    (free-form links are parsed without eval), so compiling it runs no user code."""
     namespace = {"numpy": np}
-    exec(compile("\n".join(lines), f"<aimsym {d.spec.name}>", "exec"), namespace)  # noqa: S102
+    exec(compile(numpy_source(d, outputs, "_f", extra_defs), f"<aimsym {d.spec.name}>", "exec"), namespace)  # noqa: S102
     f = namespace["_f"]
 
     def fn(Zv, params=()):

@@ -20,7 +20,7 @@ W_hat_0 = init_scale * N(0, 1) (uninformative, C_hat_0 = I), which leaves Q = 0 
 finite-size fluctuations like the SE from a tiny Q.
 
 Overlaps. Iteration 0 is the initialisation; iteration t >= 1 follows t updates, matching SE
-step t from the same start. For sign symmetries of the link (model.derivation.symmetries) the
+step t from the same start. For sign symmetries of the link (model.symmetries) the
 estimator is identifiable only up to the flip of each group: ``run_amp`` reports overlaps with
 the groups flipped so that each diagonal block of the *final* M has a non-negative trace (the
 same flips at every iteration).
@@ -154,7 +154,7 @@ def prediction_error(model, W_hat, test) -> float:
 def sign_groups(model) -> list[list[int]]:
     """Index groups whose joint sign flip leaves the link invariant (proper subsets only)."""
     groups = []
-    for sym in model.derivation.symmetries:
+    for sym in model.symmetries:
         rows = sorted(int(r) for r in sym["rows"])
         if 0 < len(rows) < model.p and rows not in groups:
             groups.append(rows)
@@ -167,7 +167,7 @@ def sign_flips(model, M: np.ndarray) -> np.ndarray:
     for rows in sign_groups(model):
         if np.trace((s[:, None] * M)[np.ix_(rows, rows)]) < 0:
             s[rows] *= -1
-    if not sign_groups(model) and any(len(sym["rows"]) == model.p for sym in model.derivation.symmetries):
+    if not sign_groups(model) and any(len(sym["rows"]) == model.p for sym in model.symmetries):
         if np.trace(M) < 0:  # only the global flip Z -> -Z (e.g. phase retrieval, p = 1)
             s *= -1
     return s
@@ -178,11 +178,9 @@ def sign_flips(model, M: np.ndarray) -> np.ndarray:
 
 def index_labels(model) -> list[str]:
     """Readable name of each row of Z (``layer l: W column k`` for attention models)."""
-    from ..derive.symbolic import _label_text
-
     spec = model.spec
     if getattr(spec, "kind", "") == "attention":
-        return [_label_text(lb) for lb in model.derivation.labels]
+        return [lb.text() for lb in model.labels]
     return [f"index {k + 1}" for k in range(model.p)]
 
 

@@ -154,7 +154,7 @@ def _activate(name: str, A: np.ndarray) -> np.ndarray:
 
 def layer_rows(model) -> list[list[tuple[int, list[int], list[int]]]]:
     """For each layer, for each head: (head, query rows, key rows) of Z / W (0-based)."""
-    labels = model.derivation.labels
+    labels = model.labels
     out = []
     for l, layer in enumerate(model.spec.layers, start=1):
         heads = []

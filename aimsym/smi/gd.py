@@ -36,7 +36,7 @@ DEFAULT_LR = {"gd": 1.0, "sgd": 0.5, "adam": 0.01}
 def layer_groups(model) -> list[list[int]]:
     """Rows of W belonging to each layer (attention), or one group per index (free-form links)."""
     if getattr(model.spec, "kind", "") == "attention":
-        labels = model.derivation.labels
+        labels = model.labels
         return [[k for k, lb in enumerate(labels) if lb.layer == l] for l in range(1, len(model.spec.layers) + 1)]
     return [[k] for k in range(model.p)]
 

@@ -161,7 +161,7 @@ def perfect_recovery(model, *, samples: int = 1024, replicas: int = 8, seed=0, n
     alpha with standard errors (local: jackknife over replicas; algorithmic: the spread of
     independent bisections on ``groups`` disjoint groups of replicas)."""
     t0 = time.perf_counter()
-    counting = model.derivation.counting
+    counting = model.counting
     out = {"counting_alpha": counting["alpha_pr"], "m": counting["m"], "note": counting["note"]}
     if counting["alpha_pr"] is None or model.noise > 0:
         out.update({"alpha": None, "stderr": None, "kind": None, "local_alpha": None,

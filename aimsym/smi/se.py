@@ -252,10 +252,9 @@ def _rewarn(caught, out, tol) -> None:
 def uses_observation(model, den) -> bool:
     if model.noise > 0 or getattr(getattr(den, "kernels", None), "PATH", None) == "halfspace":
         return False
-    if not hasattr(model, "observation") or not hasattr(model, "derivation"):
+    if not hasattr(model, "observation") or not hasattr(model, "has_observation"):
         return False  # duck-typed models (e.g. closed-form stand-ins in tests): y only
-    red = model.derivation.reduction
-    return red is not None and getattr(red, "obs_from_Z", None) is not None
+    return model.has_observation
 
 
 def make_channel(model, *, samples: int, replicas: int, seed, nodes=None, extra_dims: int = 0,

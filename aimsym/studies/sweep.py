@@ -223,7 +223,9 @@ def model_source(model_path) -> tuple[str, str]:
     """(TOML text, default name) of a model file: what travels to the workers."""
     import re
 
-    path = Path(model_path)
+    from ..derive.files import resolve
+
+    path = resolve(model_path)
     if not path.is_file():
         raise AimsymError("model", f"no such file: {model_path}")
     try:
