@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_untied
 spec hash: d8a6e2bfe6d0f663
-generator: 0.1.0+a6f9902931
+generator: 0.1.0+ea36a06552
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: last layer untied (needs tied query/key))
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'd8a6e2bfe6d0f663'
-GENERATOR_VERSION = '0.1.0+a6f9902931'
+GENERATOR_VERSION = '0.1.0+ea36a06552'
 NAME = 'attention_L2_T2_untied'
 P = 4
 T = 2

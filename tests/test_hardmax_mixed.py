@@ -12,10 +12,10 @@ from hardmax_reference import reference
 
 import aimsym
 from aimsym.derive import spec as S
-from aimsym.derive.codegen import REPO_ROOT
 from aimsym.errors import ChannelError
+from aimsym.derive.files import derivations_dir
 
-D = REPO_ROOT / "derivations"
+D = derivations_dir()
 PATTERNS = np.array([[[1, 0], [1, 0]], [[0, 1], [0, 1]], [[1, 0], [0, 1]]], dtype=float)  # the possible outputs
 
 

@@ -15,8 +15,9 @@ import aimsym
 from aimsym.smi.perfect import local_stability, perfect_recovery
 from aimsym.smi.se import PERFECT_RESOLUTION, make_channel, state_evolution
 from aimsym.derive.symbolic import counting_rank, derive
+from aimsym.derive.files import derivations_dir
 
-ROOT = "derivations/"
+ROOT = str(derivations_dir()) + "/"
 
 LINEAR = """[model]
 kind = "smi"

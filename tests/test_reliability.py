@@ -11,7 +11,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +19,9 @@ import aimsym
 from aimsym import cli
 from aimsym.studies import sweep
 from aimsym.errors import AimsymError, ChannelError, ConvergenceWarning
+from aimsym.derive.files import derivations_dir
 
-DER = Path(__file__).resolve().parents[1] / "derivations"
+DER = derivations_dir()
 GC = str(DER / "gaussian_channel.toml")  # Delta symbolic; its kernels are committed and compile fast
 L1 = str(DER / "attention_L1_T2.toml")  # beta symbolic
 

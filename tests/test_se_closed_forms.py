@@ -12,9 +12,10 @@ from scipy.special import k0, k1  # noqa: F401  (used by the threshold tests' he
 import aimsym
 from aimsym.smi import se
 from aimsym.errors import AimsymError
+from aimsym.derive.files import derivations_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-DER = ROOT / "derivations"
+DER = derivations_dir()
 
 
 class PhaseRetrieval:

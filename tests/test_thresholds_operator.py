@@ -13,9 +13,10 @@ from scipy.special import k0e, k1e
 import aimsym
 from aimsym.smi import se
 from aimsym.smi import thresholds as th
+from aimsym.derive.files import derivations_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-DER = ROOT / "derivations"
+DER = derivations_dir()
 sys.path.insert(0, str(Path(__file__).parent))
 from test_se_closed_forms import PhaseRetrieval  # noqa: E402
 

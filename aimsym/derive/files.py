@@ -63,8 +63,9 @@ def resolve(source) -> Path:
     path = Path(source)
     if path.exists():
         return path
-    if isinstance(source, str) and path.name == source:  # a bare name, no folder
-        bundled = derivations_dir() / (source if source.endswith(".toml") else source + ".toml")
+    name = str(source)
+    if path.name == name:  # a bare name, no folder
+        bundled = derivations_dir() / (name if name.endswith(".toml") else name + ".toml")
         if bundled.is_file():
             return bundled
     return path
