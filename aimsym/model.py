@@ -237,9 +237,13 @@ def load(source, **values) -> Model:
     if isinstance(source, AttentionSpec | spec_mod.SMISpec):
         spec = source
     elif isinstance(source, Path) or (isinstance(source, str) and "\n" not in source):
+        from .derive import setups
         from .derive.files import resolve
 
-        spec = spec_mod.load(resolve(source))  # a file or a bundled name
+        path = resolve(source)
+        if path.is_file() and setups.kind_of(path) in setups.KINDS:
+            return setups.load(path).with_values(**values)  # a declared aim/erm setup: plain data
+        spec = spec_mod.load(path)  # a file or a bundled name
     elif isinstance(source, str):
         spec = spec_mod.loads(source)
     else:

@@ -17,13 +17,14 @@ from aimsym.derive import spec as S
 from aimsym.derive.latex import PARTS, document, front, part
 from aimsym.derive.latexutil import broken_lines, tex_width
 from aimsym.derive.symbolic import derive
+from aimsym.derive import setups
 from aimsym.derive.files import derivations_dir
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "aimsym.cli", *args], capture_output=True, text=True)
 
 
-BUNDLED = sorted(p.stem for p in (derivations_dir()).glob("*.toml"))
+BUNDLED = sorted(p.stem for p in derivations_dir().glob("*.toml") if setups.kind_of(p) not in setups.KINDS)
 
 
 def _derivation(name: str):

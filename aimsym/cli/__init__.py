@@ -113,7 +113,14 @@ _default_showwarning = warnings.showwarning
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .declared import rewrite
+
     parser = build_parser()
+    try:  # a common verb on a declared aim/erm file runs that kind's sub-command
+        argv = rewrite(list(sys.argv[1:] if argv is None else argv))
+    except AimsymError as exc:
+        sys.stderr.write(f"aimsym: error: {exc}\n")
+        return 2
     args = parser.parse_args(argv)
     warnings.showwarning = _show_warning
     if args.version:

@@ -92,7 +92,12 @@ def _generate(args) -> int:
     from aimsym.derive import spec as spec_mod
     from aimsym.errors import AimsymError
 
-    files = [Path(m) for m in args.models] or sorted((codegen.REPO_ROOT / "derivations").glob("*.toml"))
+    from aimsym.derive import setups
+    from aimsym.derive.files import derivations_dir, resolve
+
+    # aim and erm setups have no SMI derivation, hence no kernels
+    files = [resolve(m) for m in args.models] or [f for f in sorted(derivations_dir().glob("*.toml"))
+                                                  if setups.kind_of(f) not in setups.KINDS]
     if not files:
         raise AimsymError("models", "no TOML files given and none in derivations/")
     stale = []

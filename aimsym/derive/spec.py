@@ -398,6 +398,9 @@ def from_dict(data: dict, *, default_name: str = "model") -> Spec:
         raise SpecError("model", "the file needs a [model] table")
     m = dict(data["model"])
     kind = m.get("kind", "attention")
+    if kind in ("aim", "erm"):
+        raise SpecError("kind", f"an {kind} model has no SMI derivation: run it with aimsym se|thresholds|amp|gd FILE "
+                                "(or load it with aimsym.load)")
     _choice(kind, "kind", ("attention", "smi"))
     allowed = _ATTENTION_KEYS if kind == "attention" else _SMI_KEYS
     unknown = sorted(set(m) - allowed)
