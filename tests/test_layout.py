@@ -161,3 +161,19 @@ def test_sympy_only_in_derive():
             if any(m.split(".")[0] == "sympy" for m in mods):
                 bad.append(f"{name}:{node.lineno}")
     assert not bad, "SymPy imported outside aimsym.derive: " + ", ".join(bad)
+
+
+def test_blas_limit_is_scoped():
+    """BLAS thread pinning is a context: the previous count comes back, even after an error."""
+    from aimsym.blas import _library, blas_threads
+
+    setter, getter = _library()
+    if getter is None:
+        pytest.skip("numpy is not linked to a bundled OpenBLAS")
+    before = int(getter())
+    with blas_threads(1):
+        assert int(getter()) == 1
+    assert int(getter()) == before
+    with pytest.raises(RuntimeError), blas_threads(1):
+        raise RuntimeError
+    assert int(getter()) == before

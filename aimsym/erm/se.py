@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import AimsymError
-from ..blas import set_blas_threads
+from ..blas import limit_blas_threads
 from .geometry import learned_basis, softmax_rows, to_matrix
 from .loss import loss, loss_grad_hess
 from .params import ERMParams
@@ -209,12 +209,12 @@ def _anderson(hist, old, new, mix, Q0, depth):
     return cand
 
 
+@limit_blas_threads(n=1)  # tiny batched LAPACK calls: threads only add contention
 def fixed_point(params: ERMParams, alpha: float, accuracy: Accuracy = Accuracy(), *,
                 init: tuple[float, float, float] | None = None) -> FixedPoint:
     """Iterate output and prior steps to the fixed point at sample ratio alpha = n / d^2."""
     if not (np.isfinite(alpha) and alpha > 0):
         raise AimsymError("alpha", f"must be a finite number > 0, got {alpha}")
-    set_blas_threads(1)  # tiny batched LAPACK calls: threads only add contention
     t0 = time.perf_counter()
     rule = accuracy.rule(params.tokens)
     q, m, Sigma = init if init is not None else (0.5 * params.Q0, 0.5 * params.Q0, 1.0)
