@@ -216,9 +216,10 @@ class Model:
 
 
 def load_kernels(spec):
-    """Generated module for ``spec``: the committed one if bundled and current, otherwise
-    generated into the cache directory keyed by the spec hash (the only step needing SymPy),
-    imported from its content-keyed copy in the user cache."""
+    """Generated module for ``spec`` (the committed one if bundled and current, otherwise
+    generated into the cache directory keyed by the spec hash: the only step needing SymPy)
+    with its drivers appended, imported from a file in the user cache named by its hash."""
+    from .denoise.drivers import assemble
     from .derive import files
 
     path = files.module_path(spec)
@@ -228,7 +229,7 @@ def load_kernels(spec):
             from .derive.codegen import write_module
 
             write_module(spec, path)
-    return files.import_module(files.content_copy(path))
+    return files.import_module(files.cached_file(assemble(path.read_text()), path.stem))
 
 
 def load(source, **values) -> Model:

@@ -398,9 +398,8 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
     same semicircle as d -> infinity; at finite d "compound" lowers the error by a 1/d^2 term only
     (alpha = 0.1: 0.0031 at d = 100, 0.0014 at d = 150) and is unstable at alpha = 0.05, d = 100
     (docs/aim.md section 4): an opt-in diagnostic.
-    ``blas_threads``: OpenBLAS threads for the run (None leaves the setting alone); with 2 shared
-    cores one thread was measured 10x faster than the default (d = 150: 0.037 vs 0.43 s CPU per
-    iteration).
+    ``blas_threads``: OpenBLAS threads during the run (None leaves the setting alone); one thread,
+    because small products on shared cores only contend (docs/tuning.md).
     """
     if onsager not in ("exact", "isotropic", None):
         raise AimsymError("onsager", f"must be 'exact' or 'isotropic', got {onsager!r}")

@@ -229,7 +229,7 @@ def solve_root(alpha, rho, tokens=2, activation="hardmax", beta=1.0, channel=Non
 def curve(alphas, rho, tokens=2, activation="softmax", beta=1.0, progress=False, channel=None):
     """SE on a grid of alpha. Softmax/linear: parametric; hardmax: root-finding with
     continuation (each solution brackets the next). Hardmax T = 3 evaluates I(q, V) = J(q/V)/V from
-    an interpolant of J built on first use (about 40 s on 2 cores, then ~free)."""
+    an interpolant of J built on first use (the one slow step; cost in docs/performance.md)."""
     alphas = np.atleast_1d(np.asarray(alphas, dtype=float))
     if activation in ("softmax", "linear"):
         return softmax_curve(alphas, rho, tokens, activation, beta)

@@ -89,8 +89,8 @@ GH_CHECK_TOL = 1e-10
 # error target of the default denoiser (model.denoiser() without rule sizes), see ``tol``
 DEFAULT_TOL = 1e-8
 # growth of the rules per refinement level: the inverse of the check's 3/4, so each level is
-# checked against the previous one as the main rule is against the check (measured on 512
-# points per SE regime against x1.5 with max_refine 3: 8-14 % fewer nodes; reach (4/3)^4 = 3.2x)
+# checked against the previous one as the main rule is against the check (fewer nodes than
+# x1.5 per level: docs/tuning.md)
 REFINE = 4 / 3
 # at most this many levels ((4/3)^7 = 7.5x per axis). The SE regimes need at most 4 (2 048 points
 # each, none above tol after level 4); the extra levels serve rare far points (a narrow

@@ -554,7 +554,8 @@ def _sincos(x, s, c, n):
 
 
 # full-disk rule, prior of u off the origin (|omega_u| > POLAR_OFF sd): the sectors are also cut
-# POLAR_CORE sd (in angle) around its direction (measured: 1.5 beats 1, 2, 3, 4 and 5)
+# POLAR_CORE sd (in angle) around its direction: the narrowest core that still holds the peak
+# (the comparison of values is in docs/tuning.md)
 POLAR_OFF = 2.5
 POLAR_CORE = 1.5
 # kinds of the ends of an angular piece of the mapped rule: inside the domain (plain

@@ -1,6 +1,7 @@
 """Code generation: a derivation -> one self-contained Python module of scalar ``@njit``
-kernels (the link, its Jacobian, the reduced-posterior branches) plus the batch denoiser
-driver, written to a real file so that ``njit(cache=True)`` caches the machine code.
+kernels (the link, its Jacobian, the reduced-posterior branches) and plain data for the
+solvers. The hand-written batch drivers it names in ``DRIVERS`` are appended at load time
+(aimsym.denoise.drivers), so generated/ holds model-specific code only.
 
 The module imports only ``math``, ``numpy``, ``numba`` and ``llvmlite`` (numba's LLVM binding,
 for two bitcast intrinsics). Its text is deterministic (a function of the spec and the
@@ -22,10 +23,6 @@ from .latexutil import latex_program
 from .spec import Spec, to_toml
 from .symbolic import Derivation, derive
 
-TEMPLATE = Path(__file__).parent.parent / "denoise" / "driver_template.py"
-# second driver, appended only to models whose reduction is a hardmax last layer after a
-# first layer (kind "hardmax-wedge-mixed"): aimsym/denoise/hardmax_template.py
-HARDMAX_TEMPLATE = Path(__file__).parent.parent / "denoise" / "hardmax_template.py"
 
 
 class _Printer(PythonCodePrinter):
@@ -449,6 +446,7 @@ def module_source(spec: Spec) -> str:
     names = [s.name for s in d.params]
     polar_angles = _polar_angles(spec, d)
     rows, cols = d.link.shape
+    drivers = ("driver", "hardmax") if red is not None and red.kind == "hardmax-wedge-mixed" else ("driver",)
     if red is not None:
         path, free, solved, n_branches = red.kind, red.free, red.solved, len(red.branches)
         obs_kind = "h" if red.kind == "attention-rank1" else "y"
@@ -498,6 +496,9 @@ def module_source(spec: Spec) -> str:
         f"POLAR_ANGLES = np.array({polar_angles!r}, dtype=np.float64)",
         f"HAS_POLAR = {bool(polar_angles)}  # a compile-time constant: models without the polar rule skip compiling it",
         f"EVEN_ROWS = {tuple(tuple(s['rows']) for s in d.symmetries if s['name'] != 'Z -> -Z')!r}",
+        "# hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one",
+        "# serves a hardmax last layer after a first layer (kind hardmax-wedge-mixed)",
+        f"DRIVERS = {drivers!r}",
         "",
         "# plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)",
         f"INDEX_LABELS = {tuple((lb.layer, lb.head, lb.role, lb.rank) for lb in d.labels)!r}",
@@ -530,20 +531,16 @@ def module_source(spec: Spec) -> str:
         "    return _softmax2e(d, math.exp(-abs(d)))",
         "",
     ]
+    hardmax_mixed = red is not None and red.kind == "hardmax-wedge-mixed"
     parts = [_link_kernel(d), _jacobian_kernel(d), _noise_kernel(d), _last_beta_kernel(d), _branch_kernel(d),
              _polar_kernels(spec, d)]
     parts.append(_observation_function(d))
-    hardmax_mixed = red is not None and red.kind == "hardmax-wedge-mixed"
     if hardmax_mixed:
         parts.append(_mixing_kernel(d))
     body = []
     for p in parts:
         body += ["", ""] + p
-    template = TEMPLATE.read_text().split("# ---- template begins ----\n", 1)[1]
-    text = "\n".join(head + body) + "\n\n\n" + template
-    if hardmax_mixed:
-        text += "\n\n" + HARDMAX_TEMPLATE.read_text().split("# ---- template begins ----\n", 1)[1]
-    return text
+    return "\n".join(head + body) + "\n"
 
 
 # ----------------------------------------------------------------------------- files

@@ -24,7 +24,6 @@ from ..provenance import __version__
 
 _HERE = Path(__file__).resolve().parent
 _PACKAGE = _HERE.parent
-_DENOISE = _PACKAGE / "denoise"
 
 
 def _data_root() -> Path:
@@ -36,12 +35,9 @@ def _data_root() -> Path:
 
 REPO_ROOT = _data_root()
 
-# the generator's identity: package version + digest of the generator and driver sources, so
-# that any change to either marks every generated module stale
-GENERATOR_VERSION = __version__ + "+" + hashlib.sha256(
-    (_HERE / "codegen.py").read_bytes() + (_DENOISE / "driver_template.py").read_bytes()
-    + (_DENOISE / "hardmax_template.py").read_bytes()
-).hexdigest()[:10]
+# the generator's identity: package version + digest of the generator's source, so that a
+# change to it marks every generated module stale (the drivers are appended at load time)
+GENERATOR_VERSION = __version__ + "+" + hashlib.sha256((_HERE / "codegen.py").read_bytes()).hexdigest()[:10]
 
 
 def derivations_dir() -> Path:
@@ -131,14 +127,14 @@ def import_module(path: Path):
     return mod
 
 
-def content_copy(path: Path) -> Path:
-    """A copy of ``path`` in the user cache named by the hash of its text (written once)."""
-    text = path.read_bytes()
-    digest = hashlib.sha256(text).hexdigest()[:16]
-    out = cache_dir() / "kernels" / f"{path.stem}_{digest}.py"
-    if not out.exists() or out.read_bytes() != text:
+def cached_file(text: str, stem: str) -> Path:
+    """``text`` written once to the user cache, in a file named by ``stem`` and its hash."""
+    data = text.encode()
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"{stem}_{digest}.py"
+    if not out.exists() or out.read_bytes() != data:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(text)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")  # (per process: concurrent writers)
+        tmp.write_bytes(data)
         tmp.replace(out)
     return out
