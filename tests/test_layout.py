@@ -24,7 +24,7 @@ ORDER = (
     ("aimsym.smi",),      # SMI solvers: data, SE, thresholds, GAMP, GD
     ("aimsym.aim",),      # attention-indexed models at extensive width
     ("aimsym.erm",),      # ERM in tied attention (uses aim's spectral tools)
-    ("aimsym.studies",),  # sweeps and the result store
+    ("aimsym.studies",),  # sweeps, the result store, AIM finite-size series
     ("aimsym.plot",),     # figures
     ("aimsym.bench",),    # benchmarks
     ("aimsym.cli",),      # every command-line verb

@@ -61,8 +61,9 @@ def bench_rie_mmse(n=200):
 
 def bench_amp(d=150, alpha=0.1, iterations=30, onsager="isotropic"):
     from ..aim import amp
+    from ..aim import data as data_mod
 
-    data = amp.generate(d, alpha, 0.5, 2, "softmax", seed=0)
+    data = data_mod.generate(d, alpha, 0.5, 2, "softmax", seed=0)
     box = {}
     wall, cpu = _timed(lambda: box.update(out=amp.run(data, 2, "softmax", iterations=iterations, tol=0.0,
                                                       onsager=onsager)))

@@ -27,8 +27,9 @@ from scipy import integrate
 
 from aimsym.model import load
 from aimsym.denoise.channel import DEFAULT_POLAR
+from aimsym.derive.files import derivations_dir
 
-ROOT = Path(__file__).resolve().parent.parent / "derivations"
+ROOT = derivations_dir()  # the bundled models
 # the default rule without the error control (model.denoiser(tol=None))
 FIXED_DEFAULT = (f"mapped {DEFAULT_POLAR['sinh']} fixed (default rule, tol=None)", {"tol": None})
 
@@ -269,4 +270,4 @@ def bench_modal(args):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

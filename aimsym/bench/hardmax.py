@@ -13,10 +13,9 @@ def bench(n: int = 64, seed: int = 0, sizes=((8, 24), (12, 32), (16, 40))) -> li
     Run single-threaded with ``NUMBA_NUM_THREADS=1 python -m aimsym.bench.hardmax``."""
     import time
 
-    from ..derive.codegen import REPO_ROOT
     from ..model import load
 
-    m = load(REPO_ROOT / "derivations" / "hardmax_L2_T2.toml", c=1.0)
+    m = load("hardmax_L2_T2", c=1.0)
     rng = np.random.default_rng(seed)
     _, y = m.sample(n, rng)
     om = 0.6 * rng.normal(size=(n, 2, 2))
@@ -36,7 +35,18 @@ def bench(n: int = 64, seed: int = 0, sizes=((8, 24), (12, 32), (16, 40))) -> li
     return rows
 
 
-if __name__ == "__main__":
-    for row in bench():
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m aimsym.bench.hardmax", description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=64, help="points from the two-layer model (default 64)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    for row in bench(n=args.n, seed=args.seed):
         print(f"polar {row['polar']}: {row['ms_per_eval']:.2f} ms / evaluation, "
               f"max rel. error of g_out {row['max_rel_err_g_out']:.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -158,12 +158,13 @@ def fig_small_width(out):
 def fig_amp(out, d=100, n_seeds=4):
     """AMP trajectories (error per iteration) against the SE fixed point, softmax T = 2."""
     from ..aim import amp, se
+    from ..aim import data as aim_data
 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.6))
     meta = {}
     for alpha in (0.05, 0.1, 0.15):
-        data = amp.generate(d, alpha, 0.5, 2, "softmax", seed=0)
+        data = aim_data.generate(d, alpha, 0.5, 2, "softmax", seed=0)
         res = amp.run(data, 2, "softmax", iterations=100)
         h = res["history"]
         line, = ax.semilogy([x["iteration"] for x in h], [x["mmse"] for x in h], label=f"AMP alpha={alpha}")
@@ -181,8 +182,8 @@ def fig_amp(out, d=100, n_seeds=4):
 def fig_finite_size(out, data):
     """AMP mmse vs 1/d with the weighted fits a + b/d (and a + b/d + c/d^2) and the SE value, one
     panel per (activation, alpha) found in ``data``: JSON-lines files of per-seed records written by
-    ``python -m aimsym.aim.amp --plan ... --out FILE`` (comma list of paths)."""
-    from ..aim import amp
+    ``python -m aimsym.studies.aim_finite_size --plan ... --out FILE`` (comma list of paths)."""
+    from ..studies import aim_finite_size
 
     records = []
     for path in str(data).split(","):
@@ -198,7 +199,7 @@ def fig_finite_size(out, data):
     for ax, key in zip(axes[0], keys):
         act, alpha = key
         rec0 = groups[key][0]
-        res = amp.finite_size_analysis(groups[key], alpha, rec0.get("rho", 0.5), rec0.get("tokens", 2), act,
+        res = aim_finite_size.finite_size_analysis(groups[key], alpha, rec0.get("rho", 0.5), rec0.get("tokens", 2), act,
                                        rec0.get("beta", 1.0))
         tab = [r for r in res["table"] if r["mmse_sem"]]  # sizes with >= 2 seeds (as in the fit)
         x = np.array([1.0 / r["d"] for r in tab])

@@ -397,6 +397,9 @@ class SEResult:
             d[k] = np.asarray(d[k]).tolist()
         return d
 
+    def to_json(self) -> dict:
+        return self.to_dict()
+
 
 @dataclass
 class Response:
