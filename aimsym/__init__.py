@@ -2,6 +2,9 @@
 
 from .errors import AimsymError, ChannelError, SpecError
 from .provenance import __version__
+from .moved import install as _install_moved
+
+_install_moved()  # old flat module paths still import (aimsym.moved)
 
 __all__ = ["AimsymError", "ChannelError", "SpecError", "load", "__version__"]
 
