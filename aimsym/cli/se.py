@@ -62,7 +62,8 @@ def load_model(args):
 
     path = resolve(args.model)
     if not path.is_file():
-        raise AimsymError("model", f"no such file: {args.model}")
+        bare = Path(args.model).name == args.model and not args.model.endswith(".toml")
+        raise AimsymError("model", f"no such file{' or bundled model' if bare else ''}: {args.model}")
     return load(path, **parse_assignments(args.set))
 
 

@@ -432,7 +432,8 @@ def loads(text: str, *, default_name: str = "model") -> Spec:
 def load(path: str | Path) -> Spec:
     path = Path(path)
     if not path.exists():
-        raise SpecError("model", f"no such file: {path}")
+        bare = path.name == str(path) and path.suffix != ".toml"
+        raise SpecError("model", f"no such file{' or bundled model' if bare else ''}: {path}")
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
