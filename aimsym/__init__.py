@@ -1,8 +1,10 @@
 """aimsym: symbolic-numeric derivation toolkit for learning in attention models."""
 
-__version__ = "0.1.0"
+from .errors import AimsymError, ChannelError, SpecError
+from .provenance import __version__
+from .moved import install as _install_moved
 
-from .errors import AimsymError, ChannelError, SpecError  # noqa: E402
+_install_moved()  # old flat module paths still import (aimsym.moved)
 
 __all__ = ["AimsymError", "ChannelError", "SpecError", "load", "__version__"]
 

@@ -1,25 +1,42 @@
 """A loaded model: symbolic spec + bound parameter values + its generated kernels.
 
 The generated kernels are built from the *symbolic* spec (parameters such as ``skip`` stay
-symbols), so one compiled module serves every value; values are passed at run time.
+symbols), so one compiled module serves every value; values are passed at run time. Everything a
+solver reads (observation map, index labels, symmetries, counting bound) comes from the generated
+module as plain data: only ``derivation`` and ``summary`` (the derive verb) import SymPy.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+from typing import NamedTuple
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from . import spec as spec_mod
+from .derive import spec as spec_mod
 from .errors import AimsymError, SpecError
 
 # the one-off compilation notice (see Model.compile_notice); sweep workers turn it off
 COMPILE_NOTICE = True
 _NOTICED: set[str] = set()
-from .spec import AttentionSpec, Spec
+from .derive.spec import AttentionSpec, Spec
+
+
+class IndexLabel(NamedTuple):
+    """What row k of Z is: layer l (1-based), head, role ('w' tied, 'q'/'k' untied), rank i."""
+
+    layer: int
+    head: int
+    role: str
+    rank: int
+
+    def text(self) -> str:
+        role = {"w": "W", "q": "W_Q", "k": "W_K"}[self.role]
+        head = f", head {self.head + 1}" if self.head else ""
+        return f"layer {self.layer}{head}: {role} column {self.rank + 1}"
 
 
 @dataclass(frozen=True)
@@ -62,13 +79,13 @@ class Model:
     # ------------------------------------------------------------------ stages
     @functools.cached_property
     def derivation(self):
-        from .symbolic import derive
+        from .derive.symbolic import derive
 
         return derive(self.spec)
 
     @functools.cached_property
     def kernels(self):
-        from .codegen import cache_dir, load_kernels
+        from .derive.files import cache_dir
 
         try:
             return load_kernels(self.spec)
@@ -138,16 +155,39 @@ class Model:
         self.kernels.link_jacobian_batch(flat, self.params_array(), out)
         return out.reshape(*batch, *self.output_shape, self.p, self.tokens)
 
+    # ------------------------------------------------------------------ plain data of the generated module
+    @property
+    def labels(self) -> tuple[IndexLabel, ...]:
+        return tuple(IndexLabel(*lb) for lb in self.kernels.INDEX_LABELS)
+
+    @property
+    def symmetries(self) -> list[dict]:
+        """Sign flips of groups of rows of Z leaving the link invariant: [{"name", "rows"}]."""
+        return [{"name": name, "rows": list(rows)} for name, rows in self.kernels.SIGN_SYMMETRIES]
+
+    @property
+    def counting(self) -> dict:
+        """The counting bound of perfect recovery (m, alpha_pr = p / m, note)."""
+        return dict(self.kernels.COUNTING)
+
+    @property
+    def reduction_reason(self) -> str:
+        return self.kernels.REDUCTION_REASON
+
+    @property
+    def has_observation(self) -> bool:
+        """Whether the denoiser observes a quantity computed from Z (h) rather than y itself."""
+        return self.kernels.observation_values is not None
+
     def observation(self, Z) -> np.ndarray:
         """The denoiser's observed quantity computed from the indices, shape (..., n_obs):
         h = M_{L-1} z_L^T for attention models (exact even where y = g(Z) underflows), else y."""
-        red = self.derivation.reduction
         batch, flat = self._flat(Z)
-        if red is not None and red.obs_from_Z is not None:
-            from .symbolic import numeric_function
-
-            f = numeric_function(self.derivation, red.obs_from_Z, (len(red.obs_from_Z),))
-            return f(flat, self.params_array()).reshape(*batch, len(red.obs_from_Z))
+        if self.has_observation:
+            with np.errstate(over="ignore"):
+                vals = self.kernels.observation_values(flat, self.params_array())
+            vals = [np.broadcast_to(np.asarray(v, dtype=float), flat.shape[:-2]) for v in vals]
+            return np.stack(vals, axis=-1).reshape(*batch, len(vals))
         y = self.link(Z)
         return y.reshape(*Z.shape[:-2], -1)
 
@@ -162,10 +202,10 @@ class Model:
     def denoiser(self, **accuracy):
         self.compile_notice("denoise_batch")
         if self.kernels.PATH == "hardmax-wedge-mixed":  # hardmax last layer after a first layer
-            from .hardmax_channel import HardmaxMixedDenoiser
+            from .denoise.hardmax_channel import HardmaxMixedDenoiser
 
             return HardmaxMixedDenoiser(self, **accuracy)
-        from .channel import Denoiser
+        from .denoise.channel import Denoiser
 
         return Denoiser(self, **accuracy)
 
@@ -175,12 +215,36 @@ class Model:
         return s
 
 
+def load_kernels(spec):
+    """Generated module for ``spec`` (the committed one if bundled and current, otherwise
+    generated into the cache directory keyed by the spec hash: the only step needing SymPy)
+    with its drivers appended, imported from a file in the user cache named by its hash."""
+    from .denoise.drivers import assemble
+    from .derive import files
+
+    path = files.module_path(spec)
+    if not files.header_matches(spec, path):
+        path = files.module_path(spec, bundled=False)
+        if not files.header_matches(spec, path):
+            from .derive.codegen import write_module
+
+            write_module(spec, path)
+    return files.import_module(files.cached_file(assemble(path.read_text()), path.stem))
+
+
 def load(source, **values) -> Model:
-    """``source``: a path to a TOML file, a TOML string, or a spec."""
+    """``source``: a path to a TOML file, the name of a bundled model (``"attention_L2_T2"``),
+    a TOML string, or a spec."""
     if isinstance(source, AttentionSpec | spec_mod.SMISpec):
         spec = source
-    elif isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith(".toml")):
-        spec = spec_mod.load(source)
+    elif isinstance(source, Path) or (isinstance(source, str) and "\n" not in source):
+        from .derive import setups
+        from .derive.files import resolve
+
+        path = resolve(source)
+        if path.is_file() and setups.kind_of(path) in setups.KINDS:
+            return setups.load(path).with_values(**values)  # a declared aim/erm setup: plain data
+        spec = spec_mod.load(path)  # a file or a bundled name
     elif isinstance(source, str):
         spec = spec_mod.loads(source)
     else:

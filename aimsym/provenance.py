@@ -6,6 +6,9 @@ import platform
 from datetime import datetime, timezone
 from importlib import metadata
 
+# the package version (also aimsym.__version__; generated modules record it in their header)
+__version__ = "0.1.0"
+
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}

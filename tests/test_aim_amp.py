@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from aimsym.aim import amp, gd, se
+from aimsym.studies import aim_finite_size
 from aimsym.aim.channels import pairs, to_vector
 from aimsym.errors import AimsymError
 
@@ -193,7 +194,7 @@ def test_goe_sensing_data():
 def test_se_amplification_matches_se_slope(alpha):
     """1/(1 - f') from d log m / d log Delta equals 1 + (-alpha dM/dalpha / M) computed from the SE
     curve itself (implicit differentiation of M = m(M / (c alpha)))."""
-    _, fp, amp_factor = amp.se_amplification(alpha, 0.5)
+    _, fp, amp_factor = aim_finite_size.se_amplification(alpha, 0.5)
     h = 1e-4 * alpha
     M = se.solve(alpha, 0.5).mmse
     slope = (se.solve(alpha + h, 0.5).mmse - se.solve(alpha - h, 0.5).mmse) / (2 * h)
@@ -204,12 +205,12 @@ def test_finite_d_diagnostics_run():
     """Prior-step and finite-d SE diagnostics (docs/aim.md section 4) on a tiny case: the GOE and
     GAMP noises have the variance Delta* of the SE (the RIE error is near m(Delta*)), the finite-d
     fixed points are bracketed and finite."""
-    out = amp.prior_step_finite_size(0.1, 0.5, 24, 6, seed=1)
+    out = aim_finite_size.prior_step_finite_size(0.1, 0.5, 24, 6, seed=1)
     assert abs(out["kappa_goe"]) / 24 < 0.2 and abs(out["kappa_amp"]) / 24 < 0.3
-    fd = amp.finite_d_se(0.1, 0.5, 24, 8, "goe", seed=2)
+    fd = aim_finite_size.finite_d_se(0.1, 0.5, 24, 8, "goe", seed=2)
     assert len(fd["batches"]) == 4 and 0.5 * fd["mmse_se"] < fd["mmse"] < 1.6 * fd["mmse_se"]
     with pytest.raises(AimsymError, match="noise"):
-        amp.finite_d_se(0.1, 0.5, 24, 8, "x")
+        aim_finite_size.finite_d_se(0.1, 0.5, 24, 8, "x")
 
 
 def test_finite_size_fit_recovers_known_law():
@@ -218,23 +219,23 @@ def test_finite_size_fit_recovers_known_law():
     model (1/d^2 data fitted by a + b/d over a wide range) is flagged by its p-value."""
     d = np.array([40.0, 60, 80, 100, 150, 200, 300])
     sem = 0.004 * 100 / d
-    f = amp.finite_size_fit(d, 0.39 + 2.5 / d, sem, 1)
+    f = aim_finite_size.finite_size_fit(d, 0.39 + 2.5 / d, sem, 1)
     assert f["coef"] == pytest.approx([0.39, 2.5], rel=1e-10) and f["chi2"] < 1e-18
-    f2 = amp.finite_size_fit(d, 0.39 + 2.5 / d - 30 / d**2, sem, 2)
+    f2 = aim_finite_size.finite_size_fit(d, 0.39 + 2.5 / d - 30 / d**2, sem, 2)
     assert f2["coef"] == pytest.approx([0.39, 2.5, -30.0], rel=1e-8)
     rng = np.random.default_rng(11)
     z, chi = [], []
     for _ in range(200):
-        f = amp.finite_size_fit(d, 0.39 + 2.5 / d + sem * rng.standard_normal(len(d)), sem, 1)
+        f = aim_finite_size.finite_size_fit(d, 0.39 + 2.5 / d + sem * rng.standard_normal(len(d)), sem, 1)
         z.append((f["coef"][0] - 0.39) / f["coef_se"][0])
         chi.append(f["chi2"])
     assert abs(np.mean(z)) < 0.25 and 0.8 < np.std(z) < 1.2 and abs(np.mean(chi) - 5) < 0.8
-    bad = amp.finite_size_fit(d, 0.39 + 400 / d**2, sem, 1)
+    bad = aim_finite_size.finite_size_fit(d, 0.39 + 400 / d**2, sem, 1)
     assert bad["p_value"] < 1e-3
     with pytest.raises(AimsymError, match="order"):
-        amp.finite_size_fit(d[:2], [0.4, 0.41], [0.01, 0.01], 2)
+        aim_finite_size.finite_size_fit(d[:2], [0.4, 0.41], [0.01, 0.01], 2)
     with pytest.raises(AimsymError, match="sem"):
-        amp.finite_size_fit(d, 0.4 + 0 * d, 0 * d, 1)
+        aim_finite_size.finite_size_fit(d, 0.4 + 0 * d, 0 * d, 1)
 
 
 # The slow finite-size check (docs/aim.md section 4). GAMP-RIE with the model's rank-one sensing sits
@@ -255,9 +256,9 @@ FSS_ITERATIONS = {"softmax": 120, "hardmax": 60}
 
 
 def _check_finite_size_limit(activation, alpha):
-    recs = amp.finite_size_series(alpha, 0.5, FSS_PLANS[activation], activation=activation,
+    recs = aim_finite_size.finite_size_series(alpha, 0.5, FSS_PLANS[activation], activation=activation,
                                   iterations=FSS_ITERATIONS[activation])
-    res = amp.finite_size_analysis(recs, alpha, 0.5, 2, activation)
+    res = aim_finite_size.finite_size_analysis(recs, alpha, 0.5, 2, activation)
     f = res["fits"]["order1"]
     (a, b), (sa, sb) = f["coef"], f["coef_se"]
     assert abs(a - res["mmse_se"]) <= 3 * sa, (a, sa, res["mmse_se"])

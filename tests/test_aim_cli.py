@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from aimsym.aim.cli import parse_grid
+from aimsym.cli.aim import parse_grid
 from aimsym.cli import main
 
 

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aimsym.aim import amp, compound, se
+from aimsym.studies import aim_finite_size
 from aimsym.aim.channels import make_channel
 from aimsym.aim.spectral import rie_map, stieltjes
 from aimsym.errors import AimsymError
@@ -15,7 +16,7 @@ from aimsym.errors import AimsymError
 def _gamp_jumps(alpha, d, V, seed):
     ch = make_channel("softmax", 2, 1.0)
     n = int(round(alpha * d * d))
-    return amp._gamp_noise(ch, d, n, V, np.random.default_rng(seed))
+    return aim_finite_size.gamp_noise(ch, d, n, V, np.random.default_rng(seed))
 
 
 @pytest.mark.parametrize("T", [2, 3])
@@ -102,7 +103,7 @@ def test_compound_rie_lowers_the_prior_step_error_on_gamp_noise():
     for the noise's compound law has a lower error than the semicircle RIE, paired on the same
     draws. At alpha = 0.05, d = 40 (this draw) the semicircle one is 35 % above m(Delta*), the
     compound one 10 % (docs/aim.md section 4)."""
-    out = amp.prior_step_finite_size(0.05, 0.5, 40, 40, seed=5)
+    out = aim_finite_size.prior_step_finite_size(0.05, 0.5, 40, 40, seed=5)
     assert out["kappa_compound_gain"] > 4 * out["kappa_compound_gain_sem"]
     assert out["kappa_compound"] < 0.5 * out["kappa_amp"]
 

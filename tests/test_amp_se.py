@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import aimsym
-from aimsym.amp import gamp, run_amp
-from aimsym.data import teacher_student
+from aimsym.smi.amp import gamp, run_amp
+from aimsym.smi.data import teacher_student
 
 
 def se_gaussian(alpha, Delta, lam, iters):
@@ -55,7 +55,7 @@ def test_se_helpers_closed_form():
 @pytest.mark.parametrize("d,seeds", [pytest.param(300, 6, id="d300"),
                                      pytest.param(2000, 4, id="d2000", marks=pytest.mark.slow)])
 def test_gaussian_channel_follows_se(d, seeds):
-    model = aimsym.load("derivations/gaussian_channel.toml", Delta=0.5)
+    model = aimsym.load("gaussian_channel", Delta=0.5)
     res = run_amp(model, d=d, alpha=0.8, seeds=seeds, seed=11, lam=0.0, max_iter=8, tol=0.0)
     _follows(res, se_gaussian(0.8, 0.5, 0.0, 8))
 
@@ -85,7 +85,7 @@ class PhaseRetrievalDenoiser:
     pytest.param(400, 6, "generated", id="d400-generated"),
     pytest.param(2000, 4, "closed_form", id="d2000-closed-form", marks=pytest.mark.slow)])
 def test_phase_retrieval_follows_se(d, seeds, denoiser):
-    model = aimsym.load("derivations/glm_phase_retrieval.toml")
+    model = aimsym.load("glm_phase_retrieval")
     den = PhaseRetrievalDenoiser(model) if denoiser == "closed_form" else model.denoiser()
     lam = 0.05
     res = run_amp(model, d=d, alpha=0.9, seeds=seeds, seed=5, lam=lam, max_iter=12, tol=0.0, den=den)
@@ -96,7 +96,7 @@ def test_phase_retrieval_follows_se(d, seeds, denoiser):
 
 def test_check_can_fail_without_onsager():
     """The SE comparison has teeth: GAMP without the Onsager term leaves the SE trajectory."""
-    model = aimsym.load("derivations/gaussian_channel.toml", Delta=0.5)
+    model = aimsym.load("gaussian_channel", Delta=0.5)
     den = model.denoiser()
     se = se_gaussian(1.5, 0.5, 0.0, 6)
     good, bad = [], []
@@ -112,7 +112,7 @@ def test_check_can_fail_without_onsager():
 
 
 def test_two_layer_last_layer_first():
-    model = aimsym.load("derivations/attention_L2_T2.toml", skip=1.0)
+    model = aimsym.load("attention_L2_T2", skip=1.0)
     res = run_amp(model, d=300, alpha=1.2, seeds=2, seed=2, lam=1e-2, max_iter=40)
     M = res["overlaps"]["M"]
     m1, m2 = M[:, 0, 0], M[:, 1, 1]
@@ -125,9 +125,9 @@ def test_two_layer_last_layer_first():
 
 @pytest.mark.slow
 def test_two_layer_matches_se_fixed_point_d1000():
-    from aimsym.se import state_evolution
+    from aimsym.smi.se import state_evolution
 
-    model = aimsym.load("derivations/attention_L2_T2.toml", skip=1.0)
+    model = aimsym.load("attention_L2_T2", skip=1.0)
     lam = 1e-2
     res = run_amp(model, d=1000, alpha=1.2, seeds=4, seed=7, lam=lam, max_iter=60)
     se = state_evolution(model, 1.2, side_info=lam, errors=False)

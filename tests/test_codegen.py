@@ -2,6 +2,7 @@
 Jacobian == finite differences, CLI derive numbers of the bundled models."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,8 +11,9 @@ import pytest
 from forward import draw_weights, forward, indices
 
 import aimsym
-from aimsym import codegen
-from aimsym import spec as S
+from aimsym.derive import codegen
+from aimsym.derive import spec as S
+from aimsym.derive.files import derivations_dir
 
 BUNDLED_ATTENTION = ["attention_L2_T2", "attention_L3_T2", "attention_L2_T3", "attention_L2_T2_untied",
                      "attention_L2_T2_heads2", "attention_L1_T2"]
@@ -27,21 +29,30 @@ def test_generate_check_passes_for_committed_modules():
 
 
 def test_generate_check_detects_stale(tmp_path):
-    spec = S.load(codegen.REPO_ROOT / "derivations" / "glm_phase_retrieval.toml")
+    spec = S.load(derivations_dir() / "glm_phase_retrieval.toml")
     out = tmp_path / f"{spec.name}.py"
     out.write_text(codegen.module_source(spec).replace("P = 1", "P = 2"))
-    r = run_cli("generate", "--check", "--out", str(tmp_path), str(codegen.REPO_ROOT / "derivations" / "glm_phase_retrieval.toml"))
+    r = run_cli("generate", "--check", "--out", str(tmp_path), str(derivations_dir() / "glm_phase_retrieval.toml"))
     assert r.returncode == 1 and "stale" in r.stderr
 
 
 def test_generation_is_deterministic():
-    spec = S.load(codegen.REPO_ROOT / "derivations" / "attention_L2_T2.toml")
-    assert codegen.module_source(spec) == codegen.module_source(spec)
+    """The text is a function of the spec: this process, a fresh process (other hash seed, other
+    SymPy caches) and the committed module agree."""
+    spec = S.load(derivations_dir() / "attention_L2_T2.toml")
+    here = codegen.module_source(spec)
+    code = ("import sys; from aimsym.derive import codegen, spec; "
+            "sys.stdout.write(codegen.module_source(spec.load(sys.argv[1])))")
+    fresh = subprocess.run([sys.executable, "-c", code, str(derivations_dir() / "attention_L2_T2.toml")],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert fresh.returncode == 0, fresh.stderr
+    assert fresh.stdout == here
+    assert (codegen.generated_dir() / "attention_L2_T2.py").read_text() == here
 
 
 @pytest.mark.parametrize("name", BUNDLED_ATTENTION)
 def test_generated_link_equals_forward_pass(name):
-    model = aimsym.load(codegen.REPO_ROOT / "derivations" / f"{name}.toml")
+    model = aimsym.load(derivations_dir() / f"{name}.toml")
     values = {p: 0.5 + i for i, p in enumerate(model.spec.parameters())}
     model = model.with_values(**values)
     spec = S.bind(model.spec, values)
@@ -56,7 +67,7 @@ def test_generated_link_equals_forward_pass(name):
 
 @pytest.mark.parametrize("name", ["attention_L2_T2", "attention_L3_T2", "mim_product"])
 def test_generated_jacobian_equals_finite_differences(name):
-    model = aimsym.load(codegen.REPO_ROOT / "derivations" / f"{name}.toml")
+    model = aimsym.load(derivations_dir() / f"{name}.toml")
     model = model.with_values(**{p: 1.0 for p in model.spec.parameters()})
     rng = np.random.default_rng(3)
     Z = rng.standard_normal((4, model.p, model.tokens))
@@ -83,7 +94,7 @@ def test_custom_model_generates_into_cache(tmp_path, monkeypatch):
                                           ("attention_L2_T3", 2, 3, 3)])
 def test_cli_derive_json(name, p, T, dim, tmp_path):
     tex = tmp_path / "out.tex"
-    r = run_cli("derive", str(codegen.REPO_ROOT / "derivations" / f"{name}.toml"), "--json", "--latex", str(tex))
+    r = run_cli("derive", str(derivations_dir() / f"{name}.toml"), "--json", "--latex", str(tex))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["indices"] == p and out["tokens"] == T and out["output_shape"] == [T, T]
@@ -98,7 +109,7 @@ def test_softmax_rows_are_printed_stably():
     """Row softmaxes are recognised and printed with one exp per entry (T = 2: one per row via
     _softmax2) instead of T - 1 per entry; the generated link stays exact for huge logits."""
     for name, T in (("attention_L2_T2", 2), ("attention_L2_T3", 3)):
-        spec = S.load(codegen.REPO_ROOT / "derivations" / f"{name}.toml")
+        spec = S.load(derivations_dir() / f"{name}.toml")
         src = codegen.module_source(spec)
         body = src[src.index("def branch("):src.index("def polar_beta(")]
         body = body[body.index('    """', body.index('r"""') + 4):]  # past the docstring
@@ -106,7 +117,7 @@ def test_softmax_rows_are_printed_stably():
             assert body.count("_softmax2(") == 2 and "math.exp(" not in body.split("def polar_branch")[0]
         else:
             assert body.count("math.exp(") == T * T  # one per entry (was T (T - 1))
-    model = aimsym.load(codegen.REPO_ROOT / "derivations" / "attention_L2_T3.toml", skip=0.7)
+    model = aimsym.load(derivations_dir() / "attention_L2_T3.toml", skip=0.7)
     rng = np.random.default_rng(0)
     Z = 30.0 * rng.standard_normal((3, model.p, model.tokens))  # logits ~ 1e3: exp would overflow
     Y = model.link(Z)
@@ -126,7 +137,7 @@ def test_softmax_rows_are_printed_stably():
 
 def test_polar_branch_kernel():
     """polar_branch: w = M(u)^{-1} h and 1/|det M(u)| for the two-layer T = 2 model; stubs elsewhere."""
-    model = aimsym.load(codegen.REPO_ROOT / "derivations" / "attention_L2_T2.toml", skip=0.8)
+    model = aimsym.load(derivations_dir() / "attention_L2_T2.toml", skip=0.8)
     k = model.kernels
     assert k.polar_beta(model.params_array()) == 1.0
     rng = np.random.default_rng(1)
@@ -138,5 +149,5 @@ def test_polar_branch_kernel():
         M = 0.8 * np.eye(2) + E / E.sum(axis=1, keepdims=True)
         J = k.polar_branch(u, h, model.params_array(), w)
         assert np.allclose(w, np.linalg.solve(M, h), rtol=1e-12) and np.isclose(J, 1 / abs(np.linalg.det(M)), rtol=1e-12)
-    other = aimsym.load(codegen.REPO_ROOT / "derivations" / "attention_L3_T2.toml", skip=1.0).kernels
+    other = aimsym.load(derivations_dir() / "attention_L3_T2.toml", skip=1.0).kernels
     assert len(other.POLAR_ANGLES) == 0 and np.isnan(other.polar_beta(np.ones(1)))

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 
 import aimsym
-from aimsym.data import attention_network, teacher_student
+from aimsym.smi.data import attention_network, teacher_student
 
 
 @pytest.fixture(scope="module")
 def l2():
-    return aimsym.load("derivations/attention_L2_T2.toml", skip=1.0)
+    return aimsym.load("attention_L2_T2", skip=1.0)
 
 
 def test_shapes_and_link(l2):
@@ -30,7 +30,7 @@ def test_same_seed_identical_different_independent(l2):
 
 
 def test_noise_variance():
-    model = aimsym.load("derivations/gaussian_channel.toml", Delta=0.5)
+    model = aimsym.load("gaussian_channel", Delta=0.5)
     D = teacher_student(model, 100, n=20000, seed=3)
     resid = (D.y - model.link(D.Z)).ravel()
     assert abs(resid.var() - 0.5) < 5 * 0.5 * np.sqrt(2 / resid.size)
@@ -45,7 +45,7 @@ def test_requires_seed(l2):
                                   "attention_L2_T2_heads2", "attention_L2_T3",
                                   "attention_L3_T2"])
 def test_network_forward_equals_link(name):
-    spec_params = aimsym.load(f"derivations/{name}.toml").spec.parameters()
-    model = aimsym.load(f"derivations/{name}.toml", **{k: 0.7 for k in spec_params})
+    spec_params = aimsym.load(name).spec.parameters()
+    model = aimsym.load(name, **{k: 0.7 for k in spec_params})
     D = teacher_student(model, 80, alpha=0.5, seed=4)
     assert np.allclose(attention_network(model, D.W_star, D.X_rows), D.y, atol=1e-12)

@@ -9,10 +9,10 @@ import pytest
 from modal_reference import h_of, outputs, reference
 
 import aimsym
-from aimsym.codegen import REPO_ROOT
 from aimsym.errors import ChannelError
+from aimsym.derive.files import derivations_dir
 
-D = REPO_ROOT / "derivations"
+D = derivations_dir()
 C = 1.0
 # models with an exact reduction of dimension 3 (two layers, T = 3) and 4 (three layers or two heads, T = 2),
 # with the generic rank m of dy/dZ (theory section 3)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from aimsym.erm.geometry import flat, learned_basis, softmax_rows, to_matrix, to_vector
+from aimsym.erm.geometry import flat, isometric_to_matrix, isometric_to_vector, learned_basis, softmax_rows
 from aimsym.erm.loss import loss, loss_grad_hess
 from aimsym.erm.params import ERMParams
 from aimsym.erm.prox import _objective, interpolating_point, prox
@@ -33,14 +33,14 @@ def test_geometry_flat_direction_and_roundtrip(T):
     rng = np.random.default_rng(0)
     L = T * (T + 1) // 2
     h = rng.normal(size=(4, L))
-    np.testing.assert_allclose(to_vector(to_matrix(h, T)), h, atol=1e-14)
+    np.testing.assert_allclose(isometric_to_vector(isometric_to_matrix(h, T)), h, atol=1e-14)
     Y = softmax_rows(rng.normal(size=(4, T, T)))
     np.testing.assert_allclose(loss(h + 0.9 * flat(T), Y, 1.0), loss(h, Y, 1.0), atol=1e-13)
     B = learned_basis(T)
     np.testing.assert_allclose(B.T @ B, np.eye(L - 1), atol=1e-13)
     np.testing.assert_allclose(B.T @ flat(T), 0.0, atol=1e-13)
     # variance convention: entries of H(h) for h ~ N(0, I): Var H_aa = 2, Var H_ab = 1
-    Hs = to_matrix(rng.normal(size=(200000, L)), T)
+    Hs = isometric_to_matrix(rng.normal(size=(200000, L)), T)
     assert abs(Hs[:, 0, 0].var() - 2.0) < 0.03 and abs(Hs[:, 0, 1].var() - 1.0) < 0.02
 
 
@@ -49,7 +49,7 @@ def test_prox_is_stationary_and_beats_its_starts(T):
     rng = np.random.default_rng(1)
     L = T * (T + 1) // 2
     z = rng.normal(size=(500, L))
-    Y = softmax_rows(to_matrix(1.5 * rng.normal(size=(500, L)), T))
+    Y = softmax_rows(isometric_to_matrix(1.5 * rng.normal(size=(500, L)), T))
     Sigma, beta = 3.0, 1.2
     h = prox(z, Y, Sigma, beta)
     g = (h - z) / Sigma + loss_grad_hess(h, Y, beta)[1]

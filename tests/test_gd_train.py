@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 
 import aimsym
-from aimsym.data import attention_network, teacher_student
-from aimsym.gd import loss_and_grad, run_gd
+from aimsym.smi.data import attention_network, teacher_student
+from aimsym.smi.gd import loss_and_grad, run_gd
 
 
 @pytest.fixture(scope="module")
 def l2():
-    return aimsym.load("derivations/attention_L2_T2.toml", skip=1.0)
+    return aimsym.load("attention_L2_T2", skip=1.0)
 
 
 def test_gradient_equals_finite_differences_of_network(l2):

@@ -1,7 +1,7 @@
 """Hardmax last layer after a softmax first layer (two layers, T = 2): region constraints.
 
-Model derivations/hardmax_L2_T2.toml; denoiser aimsym/hardmax_channel.py with the driver
-aimsym/hardmax_template.py (theory section 3: region constraints under the u-integral).
+Model derivations/hardmax_L2_T2.toml; denoiser aimsym/denoise/hardmax_channel.py with the driver
+aimsym/denoise/hardmax_template.py (theory section 3: region constraints under the u-integral).
 """
 
 import mpmath as mp
@@ -11,11 +11,11 @@ from scipy import integrate
 from hardmax_reference import reference
 
 import aimsym
-from aimsym import spec as S
-from aimsym.codegen import REPO_ROOT
+from aimsym.derive import spec as S
 from aimsym.errors import ChannelError
+from aimsym.derive.files import derivations_dir
 
-D = REPO_ROOT / "derivations"
+D = derivations_dir()
 PATTERNS = np.array([[[1, 0], [1, 0]], [[0, 1], [0, 1]], [[1, 0], [0, 1]]], dtype=float)  # the possible outputs
 
 
@@ -82,7 +82,7 @@ def test_generated_mixing_kernel_and_wedge_geometry_match_the_link():
 
 
 def test_latex_describes_the_region_reduction():
-    from aimsym.latex import document
+    from aimsym.derive.latex import document
 
     tex = document(load().derivation)
     assert "hardmax" in tex and r"M_1(u)^{-1} W_y" in tex and "K_3 = a K_2 + 2K_1" in tex

@@ -13,21 +13,22 @@ import pytest
 import sympy as sp
 
 import aimsym
-from aimsym import codegen
-from aimsym import spec as S
-from aimsym.latex import PARTS, document, front, part
-from aimsym.latexutil import broken_lines, tex_width
-from aimsym.symbolic import derive
+from aimsym.derive import spec as S
+from aimsym.derive.latex import PARTS, document, front, part
+from aimsym.derive.latexutil import broken_lines, tex_width
+from aimsym.derive.symbolic import derive
+from aimsym.derive import setups
+from aimsym.derive.files import derivations_dir
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "aimsym.cli", *args], capture_output=True, text=True)
 
 
-BUNDLED = sorted(p.stem for p in (codegen.REPO_ROOT / "derivations").glob("*.toml"))
+BUNDLED = sorted(p.stem for p in derivations_dir().glob("*.toml") if setups.kind_of(p) not in setups.KINDS)
 
 
 def _derivation(name: str):
-    return aimsym.load(codegen.REPO_ROOT / "derivations" / f"{name}.toml").derivation
+    return aimsym.load(derivations_dir() / f"{name}.toml").derivation
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,14 +99,14 @@ def test_appendix_holds_the_program_and_can_be_left_out(tmp_path):
     assert r"\frac{\partial y_{ab}}{\partial z_{k,t}} &= \partial_{z_{k,t}} S^{(2)}_{ab}" in jac
     assert "\nS^{(1)}_{11} &=" not in jac and "\nS^{(1)}_{11} &=" in full and r"\partial_{z_{1,1}}S^{(1)}_{11} &=" in jac
     tex = tmp_path / "L2.tex"
-    r = run_cli("derive", str(codegen.REPO_ROOT / "derivations" / "attention_L2_T2.toml"), "--latex", str(tex),
+    r = run_cli("derive", str(derivations_dir() / "attention_L2_T2.toml"), "--latex", str(tex),
                 "--no-appendix")
     assert r.returncode == 0, r.stderr
     assert tex.read_text() == short
 
 
 def test_latex_part_writes_one_align_block(tmp_path):
-    path = str(codegen.REPO_ROOT / "derivations" / "attention_L2_T2.toml")
+    path = str(derivations_dir() / "attention_L2_T2.toml")
     r = run_cli("derive", path, "--latex-part", "reduction")
     assert r.returncode == 0, r.stderr
     block = r.stdout

@@ -12,11 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aimsym
-from aimsym.perfect import local_stability, perfect_recovery
-from aimsym.se import PERFECT_RESOLUTION, make_channel, state_evolution
-from aimsym.symbolic import counting_rank, derive
+from aimsym.smi.perfect import local_stability, perfect_recovery
+from aimsym.smi.se import PERFECT_RESOLUTION, make_channel, state_evolution
+from aimsym.derive.symbolic import counting_rank, derive
+from aimsym.derive.files import derivations_dir
 
-ROOT = "derivations/"
+ROOT = str(derivations_dir()) + "/"
 
 LINEAR = """[model]
 kind = "smi"
@@ -199,8 +200,8 @@ def test_phase_diagram_carries_the_perfect_recovery_curve(tmp_path):
     """One softmax layer (y fixes z up to sign: m = 2, p = 1, alpha_PR = 1/2) over beta: each
     point has the algorithmic threshold at or above the counting bound, and phase_rows turns it
     into one more curve after the staircase."""
-    from aimsym import plot
-    from aimsym.thresholds import phase_diagram, phase_rows
+    from aimsym.plot import se as plot
+    from aimsym.smi.thresholds import phase_diagram, phase_rows
 
     pd = phase_diagram(ROOT + "attention_L1_T2.toml", "beta", [1.0, 2.0], workers=1, samples=1 << 11,
                        staircase=False, perfect=True, pr_samples=512)

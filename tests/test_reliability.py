@@ -11,16 +11,17 @@ import sqlite3
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import aimsym
-from aimsym import cli, sweep
+from aimsym import cli
+from aimsym.studies import sweep
 from aimsym.errors import AimsymError, ChannelError, ConvergenceWarning
+from aimsym.derive.files import derivations_dir
 
-DER = Path(__file__).resolve().parents[1] / "derivations"
+DER = derivations_dir()
 GC = str(DER / "gaussian_channel.toml")  # Delta symbolic; its kernels are committed and compile fast
 L1 = str(DER / "attention_L1_T2.toml")  # beta symbolic
 
@@ -193,7 +194,7 @@ def test_unconverged_se_and_amp_warn_in_one_line(capsys):
     assert json.loads(out)["converged"] == [False]
     assert err.startswith("aimsym: warning: GAMP: 1 of 1 runs stopped at max_iter = 1") and err.count("\n") == 1
     with pytest.warns(ConvergenceWarning):
-        from aimsym.se import state_evolution
+        from aimsym.smi.se import state_evolution
 
         state_evolution(aimsym.load(GC, Delta=0.5), 0.5, max_iter=1, tol=1e-15, samples=256, errors=False)
 
@@ -303,7 +304,7 @@ def test_dask_sweep_with_relative_paths_from_another_folder_killed_and_resumed(t
 
 
 def test_plot_draws_one_labelled_curve_per_parameter_set(tmp_path):
-    from aimsym import plot
+    from aimsym.plot import se as plot
 
     store = tmp_path / "two.sqlite"
     sweep.run_sweep(GC, [0.5, 1.0, 1.5], params={"Delta": [0.3, 1.0]}, store=store, samples=64, workers=1,
@@ -330,7 +331,7 @@ def test_user_errors_survive_the_trip_from_a_worker_process():
 def test_an_index_absent_from_the_link_is_kept_and_never_learned(tmp_path):
     """Handled, not refused: y = z0 with two indices; the SE learns z0 (noiseless linear channel:
     Q_00 = alpha below 1) and z1 not at all."""
-    from aimsym.se import state_evolution
+    from aimsym.smi.se import state_evolution
 
     model = aimsym.load(_toml(tmp_path, "unused_index", 'kind = "smi"\nindices = 2\ntokens = 1\nlink = "z[0]"'))
     res = state_evolution(model, 0.5, samples=512, errors=False)

@@ -10,11 +10,12 @@ import pytest
 from scipy.special import k0, k1  # noqa: F401  (used by the threshold tests' helper)
 
 import aimsym
-from aimsym import se
+from aimsym.smi import se
 from aimsym.errors import AimsymError
+from aimsym.derive.files import derivations_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-DER = ROOT / "derivations"
+DER = derivations_dir()
 
 
 class PhaseRetrieval:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aimsym
-from aimsym import spec as S
+from aimsym.derive import spec as S
 from aimsym.errors import SpecError
 
 BASE = """
@@ -101,7 +101,7 @@ def test_toml_round_trip(T, L, data):
 
 def test_free_form_link_parses_without_eval(tmp_path):
     spec = S.make_smi(indices=2, tokens=1, link="z[0, 0] * z[1, 0] + abs(z[0, 0]) ** 2")
-    from aimsym.parse import parse_link
+    from aimsym.derive.parse import parse_link
 
     expr = parse_link(spec)
     assert {s.name for s in expr.free_symbols} == {"z_0_0", "z_1_0"}

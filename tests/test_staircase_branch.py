@@ -4,17 +4,17 @@ With one learned index k the restricted SE is scalar and its fixed point through
 alpha(q) = q / ((1 - q) E[sum_t g_out[k, t]^2]); the staircase walks the records of alpha(q).
 """
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import aimsym
-from aimsym import se
-from aimsym import thresholds as th
+from aimsym.smi import se
+from aimsym.smi import thresholds as th
 from aimsym.errors import AimsymError
+from aimsym.derive.files import derivations_dir
 
-DER = Path(__file__).resolve().parents[1] / "derivations"
+DER = derivations_dir()
 R = 8
 
 

@@ -7,14 +7,14 @@ import sqlite3
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from aimsym import sweep
-from aimsym.se import gaussian_channel_fixed_point
+from aimsym.studies import sweep
+from aimsym.smi.se import gaussian_channel_fixed_point
+from aimsym.derive.files import derivations_dir
 
-DER = Path(__file__).resolve().parents[1] / "derivations"
+DER = derivations_dir()
 GC = str(DER / "gaussian_channel.toml")
 
 

@@ -8,8 +8,8 @@ from forward import draw_weights, forward, indices, last_h
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aimsym import spec as S
-from aimsym.symbolic import derive
+from aimsym.derive import spec as S
+from aimsym.derive.symbolic import derive
 
 
 @st.composite

@@ -11,11 +11,12 @@ from scipy.integrate import quad
 from scipy.special import k0e, k1e
 
 import aimsym
-from aimsym import se
-from aimsym import thresholds as th
+from aimsym.smi import se
+from aimsym.smi import thresholds as th
+from aimsym.derive.files import derivations_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-DER = ROOT / "derivations"
+DER = derivations_dir()
 sys.path.insert(0, str(Path(__file__).parent))
 from test_se_closed_forms import PhaseRetrieval  # noqa: E402
 
@@ -336,7 +337,7 @@ def test_phase_diagram_point_at_zero_skip_and_plot(tmp_path):
     assert pt["staircase"][0]["subspace"] == [1] and 0 < s < 0.01
     assert 0.25 < a < 0.30  # 0.2738 +- 0.0034 at 2^13 points
     assert pt["provenance"]["seed"] == 4
-    from aimsym import plot
+    from aimsym.plot import se as plot
 
     rows = th.phase_rows({"parameter": "skip", "points": [pt, {**pt, "skip": 1.0}]})
     plot.phase_diagram(rows, tmp_path / "new" / "folder" / "pd.png")  # (parent folders are created)

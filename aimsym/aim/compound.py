@@ -10,8 +10,8 @@ the centred free compound Poisson law with jumps t_j = d s_j, R-transform
 
 It tends to the semicircle as m/d -> infinity, but at finite d its deviation is of relative order
 d/m = 1/(T alpha d): at fixed alpha a 1/d effect, which the semicircle RIE pays for
-(docs/aim.md section 4). Here the RIE uses the actual law. Measured: it gains only a 1/d^2 term
-(the optimum is stationary in the law, whose deviation is O(1/d)); see docs/aim.md section 4.
+(docs/aim.md section 4). Here the RIE uses the actual law; it gains only a 1/d^2 term, as the
+optimum is stationary in the law, whose deviation is O(1/d) (docs/aim.md section 4).
 
 Stieltjes transform of Y = S + B (S, B free): its inverse is the sum of the inverses,
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import AimsymError
 from ..provenance import provenance
-from .amp import generate
+from .data import generate
 
 
 def _forward(W, X, beta, activation):

@@ -6,9 +6,9 @@ The link as an aimsym model
 The index matrix h is symmetric, so its T(T+1)/2 unique entries, ordered like
 :func:`aimsym.aim.channels.pairs` ([(a, b) for a <= b]), are the p = L indices of a one-token
 SMI model, z[k, 0] = h_{pairs[k]}. :func:`aim_link_spec` declares it as an
-:class:`~aimsym.spec.SMISpec` whose matrix link is the logit matrix ``beta * z[k(a, b), 0]``
+:class:`~aimsym.derive.spec.SMISpec` whose matrix link is the logit matrix ``beta * z[k(a, b), 0]``
 passed along its rows through ``activation`` -- the spec's row activation is applied by
-:func:`aimsym.symbolic.activate`, i.e. by the very ``softmax_rows`` / ``hardmax_rows`` that
+:func:`aimsym.derive.symbolic.activate`, i.e. by the very ``softmax_rows`` / ``hardmax_rows`` that
 attention layers use. beta stays a symbolic parameter, so one generated module per
 (T, activation) serves every beta. The rest is the ordinary pipeline: SymPy derivation
 (link, forward-mode Jacobian), code generation into the cache directory
@@ -113,7 +113,7 @@ def unique_index(tokens: int) -> np.ndarray:
 def aim_link_spec(tokens: int, activation: str):
     """The SMISpec of the AIM link: L = T(T+1)/2 indices (the unique entries of h), one token,
     link ``activation`` along the rows of the logit matrix ``beta * h`` (beta symbolic)."""
-    from ..spec import make_smi
+    from ..derive.spec import make_smi
 
     T = _check_tokens(tokens)
     act = _check_activation(activation)

@@ -31,7 +31,10 @@ _MMSE_FLOOR = 1e-13  # below this the mmse is reported as 0 (perfect recovery)
 
 
 @dataclass
-class SEResult:
+class AIMSEResult:
+    """One state-evolution point of the attention-indexed model: scalar overlap q of the
+    extensive-width matrix (the SMI solvers' matrix-valued result is aimsym.smi.se.SEResult)."""
+
     alpha: float
     q: float
     q_hat: float
@@ -53,6 +56,9 @@ class SEResult:
         if with_provenance:
             out["provenance"] = provenance(accuracy=self.accuracy)
         return out
+
+    def to_json(self) -> dict:
+        return self.to_dict()
 
 
 def _check(alpha, rho):
@@ -78,7 +84,7 @@ def _prior_step(q_hat, rho):
 
 
 def iterate(alpha, rho, tokens=2, activation="softmax", beta=1.0, *, init="uninformed",
-            damping=0.0, tol=1e-11, max_iter=20000, channel=None) -> SEResult:
+            damping=0.0, tol=1e-11, max_iter=20000, channel=None) -> AIMSEResult:
     """Damped fixed-point iteration of the two SE steps.
 
     init="uninformed" starts at q = rho (prior mean only), "informed" at q = Q0 (1 - 1e-9).
@@ -112,7 +118,7 @@ def iterate(alpha, rho, tokens=2, activation="softmax", beta=1.0, *, init="uninf
     mmse = max(Q0 - q, 0.0)
     if mmse <= _MMSE_FLOOR:
         mmse, q = 0.0, Q0
-    return SEResult(alpha, q, q_hat, mmse, rho, ch.tokens, ch.activation, ch.beta, "iterate", init,
+    return AIMSEResult(alpha, q, q_hat, mmse, rho, ch.tokens, ch.activation, ch.beta, "iterate", init,
                     it, converged, {"tol": tol, "damping": damping, "max_iter": max_iter})
 
 
@@ -147,7 +153,7 @@ def perfect_recovery_numeric(rho, tokens=2, activation="softmax"):
     return (2.0 * r2 - r1) / c
 
 
-def solve_softmax(alpha, rho, tokens=2, activation="softmax", beta=1.0) -> SEResult:
+def solve_softmax(alpha, rho, tokens=2, activation="softmax", beta=1.0) -> AIMSEResult:
     """Fixed point of the softmax/linear SE from the parametric form: solve m(D)/D = c alpha
     (m(D)/D decreases from 2 rho - rho^2 (or 1) to 0), mmse = 0 above alpha_PR."""
     alpha, rho = _check(alpha, rho)
@@ -156,21 +162,21 @@ def solve_softmax(alpha, rho, tokens=2, activation="softmax", beta=1.0) -> SERes
     Q0 = prior_second_moment(rho)
     target = c * alpha
     if alpha == 0.0:
-        return SEResult(0.0, rho, 0.0, 1.0, rho, tokens, activation, beta, "parametric")
+        return AIMSEResult(0.0, rho, 0.0, 1.0, rho, tokens, activation, beta, "parametric")
     if alpha >= perfect_recovery_counting(rho, tokens, activation) * (1.0 - 1e-12):
-        return SEResult(alpha, Q0, np.inf, 0.0, rho, tokens, activation, beta, "parametric")
+        return AIMSEResult(alpha, Q0, np.inf, 0.0, rho, tokens, activation, beta, "parametric")
     f = lambda logD: rie_mmse(np.exp(logD), rho) / np.exp(logD) - target  # noqa: E731
     lo, hi = np.log(1e-3), np.log(1.0)
     while f(lo) < 0:
         lo -= 3.0
         if lo < np.log(1e-300):
-            return SEResult(alpha, Q0, np.inf, 0.0, rho, tokens, activation, beta, "parametric")
+            return AIMSEResult(alpha, Q0, np.inf, 0.0, rho, tokens, activation, beta, "parametric")
     while f(hi) > 0:
         hi += 3.0
     logD = brentq(f, lo, hi, xtol=1e-13, rtol=1e-13)
     Delta = float(np.exp(logD))
     m = rie_mmse(Delta, rho)
-    return SEResult(alpha, Q0 - m, 1.0 / Delta, m, rho, tokens, activation, beta, "parametric",
+    return AIMSEResult(alpha, Q0 - m, 1.0 / Delta, m, rho, tokens, activation, beta, "parametric",
                     accuracy={"xtol_logDelta": 1e-13})
 
 
@@ -185,7 +191,7 @@ def softmax_curve(alphas, rho, tokens=2, activation="softmax", beta=1.0):
 
 
 def solve_root(alpha, rho, tokens=2, activation="hardmax", beta=1.0, channel=None,
-               guess_Delta=None) -> SEResult:
+               guess_Delta=None) -> AIMSEResult:
     """Fixed point by Brent's method on F(Delta) = 1/(alpha I(q, V)) - Delta with q = Q0 - m(Delta),
     V = m(Delta); one channel evaluation per step (the iteration can need hundreds).
     Agrees with ``iterate`` (tested); assumes a single fixed point, as for the hardmax channel."""
@@ -193,7 +199,7 @@ def solve_root(alpha, rho, tokens=2, activation="hardmax", beta=1.0, channel=Non
     ch = channel or make_channel(activation, tokens, beta)
     Q0 = prior_second_moment(rho)
     if alpha == 0.0:
-        return SEResult(0.0, rho, 0.0, 1.0, rho, ch.tokens, ch.activation, ch.beta, "root")
+        return AIMSEResult(0.0, rho, 0.0, 1.0, rho, ch.tokens, ch.activation, ch.beta, "root")
 
     def F(logD):
         D = np.exp(logD)
@@ -223,13 +229,13 @@ def solve_root(alpha, rho, tokens=2, activation="hardmax", beta=1.0, channel=Non
     m = rie_mmse(D, rho)
     acc = {"xtol_logDelta": 1e-10, "quad_step": getattr(ch, "step", None)}
     acc.update(getattr(ch, "accuracy", {}))
-    return SEResult(alpha, Q0 - m, 1.0 / D, m, rho, ch.tokens, ch.activation, ch.beta, "root", accuracy=acc)
+    return AIMSEResult(alpha, Q0 - m, 1.0 / D, m, rho, ch.tokens, ch.activation, ch.beta, "root", accuracy=acc)
 
 
 def curve(alphas, rho, tokens=2, activation="softmax", beta=1.0, progress=False, channel=None):
     """SE on a grid of alpha. Softmax/linear: parametric; hardmax: root-finding with
     continuation (each solution brackets the next). Hardmax T = 3 evaluates I(q, V) = J(q/V)/V from
-    an interpolant of J built on first use (about 40 s on 2 cores, then ~free)."""
+    an interpolant of J built on first use (the one slow step; cost in docs/performance.md)."""
     alphas = np.atleast_1d(np.asarray(alphas, dtype=float))
     if activation in ("softmax", "linear"):
         return softmax_curve(alphas, rho, tokens, activation, beta)
@@ -249,7 +255,7 @@ def curve(alphas, rho, tokens=2, activation="softmax", beta=1.0, progress=False,
 
 
 def solve(alpha, rho, tokens=2, activation="softmax", beta=1.0, *, method="auto", init="uninformed",
-          damping=0.0) -> SEResult:
+          damping=0.0) -> AIMSEResult:
     """Dispatch: softmax/linear -> parametric, hardmax -> root (method='iterate' forces the
     damped iteration from the requested init)."""
     if method == "iterate":

@@ -348,7 +348,7 @@ def _stieltjes_inside(x, rho, Delta):
     return np.take_along_axis(roots, idx[None], axis=0)[0]
 
 
-def _rie_mmse_scalar(Delta, rho, n=QUAD_NODES):
+def rie_mmse_scalar(Delta, rho, n=QUAD_NODES):
     if Delta == 0.0:
         return 0.0
     m = Delta - (4 * np.pi**2 / 3) * Delta**2 * _integral_mu_cubed(rho, Delta, n)
@@ -375,7 +375,7 @@ def rie_mmse(Delta, rho):
 
 @functools.lru_cache(maxsize=65536)
 def _rie_mmse_cached(Delta, rho):
-    return _rie_mmse_scalar(Delta, rho)
+    return rie_mmse_scalar(Delta, rho)
 
 
 def rie_mmse_inverse(m_target, rho, *, rtol=1e-12):

@@ -58,13 +58,15 @@ def learned_basis(T: int) -> np.ndarray:
     return B
 
 
-def to_matrix(h: np.ndarray, T: int) -> np.ndarray:
-    """(..., L) -> (..., T, T) symmetric."""
+def isometric_to_matrix(h: np.ndarray, T: int) -> np.ndarray:
+    """(..., L) -> (..., T, T) symmetric, through the isometric embedding: a diagonal entry of the
+    matrix is sqrt(2) times its coordinate, so Frobenius norms equal Euclidean ones (unlike
+    aimsym.aim.channels.to_matrix, which copies the unique entries as they are)."""
     return (h @ embedding(T).T).reshape(h.shape[:-1] + (T, T))
 
 
-def to_vector(H: np.ndarray) -> np.ndarray:
-    """(..., T, T) symmetric -> (..., L); inverse of :func:`to_matrix`."""
+def isometric_to_vector(H: np.ndarray) -> np.ndarray:
+    """(..., T, T) symmetric -> (..., L); inverse of :func:`isometric_to_matrix`."""
     T = H.shape[-1]
     a, b = pairs(T)
     scale = np.where(a == b, 1.0 / np.sqrt(2.0), 1.0)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .geometry import embedding, softmax_rows, to_matrix
+from .geometry import embedding, isometric_to_matrix, softmax_rows
 
 
 def loss(h: np.ndarray, Y: np.ndarray, beta: float) -> np.ndarray:
     """(N, L), (N, T, T) -> (N,)."""
     T = Y.shape[-1]
-    P = softmax_rows(beta * to_matrix(h, T))
+    P = softmax_rows(beta * isometric_to_matrix(h, T))
     return ((P - Y) ** 2).sum(axis=(-1, -2))
 
 
@@ -24,7 +24,7 @@ def loss_grad_hess(h: np.ndarray, Y: np.ndarray, beta: float):
     T = Y.shape[-1]
     M = embedding(T)
     N = h.shape[0]
-    P = softmax_rows(beta * to_matrix(h, T))
+    P = softmax_rows(beta * isometric_to_matrix(h, T))
     r = P - Y
     value = (r * r).sum(axis=(-1, -2))
     rp = (r * P).sum(axis=-1, keepdims=True)  # (N, T, 1): p . r per row

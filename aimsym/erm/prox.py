@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .geometry import flat, to_vector
+from .geometry import flat, isometric_to_vector
 from .loss import loss, loss_grad_hess
 
 
@@ -28,7 +28,7 @@ def interpolating_point(z: np.ndarray, Y: np.ndarray, beta: float) -> np.ndarray
     c = -anti.mean(axis=-1)  # c_a - c_b = lg_ba - lg_ab for consistent Y
     H = lg + c[..., :, None]
     H = 0.5 * (H + np.swapaxes(H, -1, -2))
-    h = to_vector(H)
+    h = isometric_to_vector(H)
     u = flat(T)
     # keep the student's component along the flat direction (the prox does not move it)
     return h + np.outer((z - h) @ u, u)

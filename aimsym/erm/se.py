@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import AimsymError
-from ._blas import set_blas_threads
-from .geometry import learned_basis, softmax_rows, to_matrix
+from ..blas import limit_blas_threads
+from .geometry import isometric_to_matrix, learned_basis, softmax_rows
 from .loss import loss, loss_grad_hess
 from .params import ERMParams
 from .prior import prior_step
@@ -111,17 +111,17 @@ def fields(params: ERMParams, q: float, m: float, rule: Rule):
 
 
 def labels(params: ERMParams, ystar: np.ndarray) -> np.ndarray:
-    return softmax_rows(params.beta0 * to_matrix(ystar, params.tokens))
+    return softmax_rows(params.beta0 * isometric_to_matrix(ystar, params.tokens))
 
 
 def test_errors(params: ERMParams, q: float, m: float, rule: Rule) -> dict:
     """Test error against noisy labels ('test') and against the clean teacher ('test_clean')."""
     ystar, z, zstar, a, b = fields(params, q, m, rule)
-    P = softmax_rows(params.beta * to_matrix(z, params.tokens))
+    P = softmax_rows(params.beta * isometric_to_matrix(z, params.tokens))
     Y = labels(params, ystar)
     zc, zs = clean_fields(params, q, m, rule)
-    Pc = softmax_rows(params.beta * to_matrix(zs, params.tokens))
-    Yc = softmax_rows(params.beta0 * to_matrix(zc, params.tokens))
+    Pc = softmax_rows(params.beta * isometric_to_matrix(zs, params.tokens))
+    Yc = softmax_rows(params.beta0 * isometric_to_matrix(zc, params.tokens))
     return {"test": np.asarray(expect(((P - Y) ** 2).sum((-1, -2)), rule)),
             "test_clean": np.asarray(expect(((Pc - Yc) ** 2).sum((-1, -2)), rule))}
 
@@ -209,12 +209,12 @@ def _anderson(hist, old, new, mix, Q0, depth):
     return cand
 
 
+@limit_blas_threads(n=1)  # tiny batched LAPACK calls: threads only add contention
 def fixed_point(params: ERMParams, alpha: float, accuracy: Accuracy = Accuracy(), *,
                 init: tuple[float, float, float] | None = None) -> FixedPoint:
     """Iterate output and prior steps to the fixed point at sample ratio alpha = n / d^2."""
     if not (np.isfinite(alpha) and alpha > 0):
         raise AimsymError("alpha", f"must be a finite number > 0, got {alpha}")
-    set_blas_threads(1)  # tiny batched LAPACK calls: threads only add contention
     t0 = time.perf_counter()
     rule = accuracy.rule(params.tokens)
     q, m, Sigma = init if init is not None else (0.5 * params.Q0, 0.5 * params.Q0, 1.0)

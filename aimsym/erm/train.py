@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import AimsymError
-from ._blas import set_blas_threads
+from ..blas import limit_blas_threads
 from .geometry import softmax_rows
 from .params import ERMParams
 
@@ -136,6 +136,7 @@ class TrainResult:
         return out
 
 
+@limit_blas_threads(param="blas_threads")
 def train(params: ERMParams, alpha: float, d: int, *, seed: int = 0, lr: float = 0.02,
           max_steps: int = 5000, patience: int = 50, gtol: float = 1e-7, n_test: int | None = None,
           init_scale: float = 0.5, blas_threads: int | None = 1) -> TrainResult:
@@ -144,8 +145,6 @@ def train(params: ERMParams, alpha: float, d: int, *, seed: int = 0, lr: float =
         raise AimsymError("d", f"must be an integer >= 4, got {d}")
     if not (np.isfinite(alpha) and alpha > 0):
         raise AimsymError("alpha", f"must be a finite number > 0, got {alpha}")
-    if blas_threads:
-        set_blas_threads(blas_threads)
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     S_star = teacher(d, params.kappa0, rng)

@@ -1,0 +1,273 @@
+"""Benchmark of the compiled denoiser against a straightforward scipy ``nquad`` evaluation.
+
+    python -m aimsym.bench.denoiser [--batch 100000] [--skip-nquad]
+    python -m aimsym.bench.denoiser --modal-only [--modal-batch 8] [--modal-tol 1e-8]
+
+Measures, in one run: CPU time per evaluation of (g_out, dg_out, log_z_out) single-threaded
+for the old (Legendre) and new (mapped) polar rules and Gauss-Hermite, in each SE regime, with
+the error against a converged reference; a batch on all cores; the three-layer T = 2 and
+two-layer T = 3 models; and one nquad evaluation of the same quantities (log Z, E[Z | y];
+tolerance 1e-10) for the ratio. ``--modal`` / ``--modal-only``: the mode-centred adaptive rule
+(``rule="modal"``) on the k = 3 and 4 models at SE-regime points, with the error against the same
+rule at a 100x smaller tol and against the independent Gauss-Kronrod cubature of
+tests/modal_reference.py at one point. Prints the load average (shared machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+from pathlib import Path
+
+import numba
+import numpy as np
+from scipy import integrate
+
+from aimsym.model import load
+from aimsym.denoise.channel import DEFAULT_POLAR
+from aimsym.derive.files import derivations_dir
+
+ROOT = derivations_dir()  # the bundled models
+# the default rule without the error control (model.denoiser(tol=None))
+FIXED_DEFAULT = (f"mapped {DEFAULT_POLAR['sinh']} fixed (default rule, tol=None)", {"tol": None})
+
+
+def _timed(fn, repeat=3, clock=time.perf_counter):
+    """Best of ``repeat`` timings of fn() on ``clock`` (wall by default; ``time.process_time`` for
+    the CPU time of this process: with single-threaded numba, CPU time = work, whatever the load)."""
+    best = np.inf
+    for _ in range(repeat):
+        t = clock()
+        out = fn()
+        best = min(best, clock() - t)
+    return best, out
+
+
+def nquad_l2t2(h, omega, V, c, tol=1e-10):
+    """log Z_out and E[Z | y] of the two-layer T = 2 model by nested adaptive quadrature."""
+    Vinv = np.linalg.inv(V)
+    logdet = np.linalg.slogdet(V)[1]
+
+    def weight(u1, u2, s):
+        e = np.exp(np.outer([u1, u2], [u1, u2]) - np.max(np.outer([u1, u2], [u1, u2]), axis=1, keepdims=True))
+        M = c * np.eye(2) + e / e.sum(axis=1, keepdims=True)
+        zl = np.linalg.solve(M, s * h)
+        Z = np.array([[u1, u2], zl])
+        d = Z - omega
+        q = sum(d[:, t] @ Vinv @ d[:, t] for t in range(2))
+        return np.exp(-0.5 * q - logdet - 2 * np.log(2 * np.pi)) / abs(np.linalg.det(M)), Z
+
+    sd = np.sqrt(V[0, 0])
+    lim = [[omega[0, t] - 12 * sd, omega[0, t] + 12 * sd] for t in range(2)]
+    opts = {"epsabs": 1e-14, "epsrel": tol, "limit": 200}
+    vals = []
+    for k in range(5):
+        tot = 0.0
+        for s in (1.0, -1.0):
+            tot += integrate.nquad(lambda a, b, s=s: (lambda w, Z: w * (1.0 if k == 0 else Z.reshape(-1)[k - 1]))(*weight(a, b, s)),
+                                   lim, opts=[opts, opts])[0]
+        vals.append(tot)
+    return np.log(vals[0]), np.array(vals[1:]).reshape(2, 2) / vals[0]
+
+
+# (scale of omega per layer, V) along the SE path (omega ~ N(0, Q), V = I - Q): moderate, last
+# layer nearly known (staircase), first layer half learned after it, both nearly known
+SE_PATH = [
+    (np.array([0.6, 0.6]), np.array([[1.0, 0.2], [0.2, 0.8]])),
+    (np.array([0.1, 0.97]), np.diag([1.0, 0.05])),
+    (np.array([0.7, 0.99]), np.diag([0.5, 0.02])),
+    (np.array([0.99, 0.99]), 0.02 * np.eye(2)),
+]
+
+
+def _points(m, rng, regimes, per):
+    ys, oms, Vs = [], [], []
+    for scale, V in regimes:
+        for _ in range(per):
+            om = scale[:, None] * rng.standard_normal((2, 2))
+            ys.append(m.link(om + np.linalg.cholesky(V) @ rng.standard_normal((2, 2))))
+            oms.append(om)
+            Vs.append(V)
+    return np.array(ys), np.array(oms), np.array(Vs)
+
+
+def _rel_err(out, ref):
+    n = len(ref.g_out)
+    gs = np.maximum(1.0, np.abs(ref.g_out).reshape(n, -1).max(axis=1))
+    ds = np.maximum(1.0, np.abs(ref.dg_out).reshape(n, -1).max(axis=1))
+    return np.maximum(np.abs(out.g_out - ref.g_out).reshape(n, -1).max(axis=1) / gs,
+                      np.abs(out.dg_out - ref.dg_out).reshape(n, -1).max(axis=1) / ds)
+
+
+def _load() -> str:
+    try:
+        return "load average " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:  # pragma: no cover
+        return "load average unavailable"
+
+
+SE_LABELS = ["moderate", "V=diag(1,.05)", "V=diag(.5,.02)", "V=.02 I"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=100_000)
+    ap.add_argument("--per", type=int, default=8, help="points per SE regime")
+    ap.add_argument("--skip-nquad", action="store_true")
+    ap.add_argument("--skip-others", action="store_true", help="skip the three-layer and T = 3 models")
+    ap.add_argument("--modal", action="store_true", help="also benchmark rule='modal' (k = 3, 4)")
+    ap.add_argument("--modal-only", action="store_true", help="only benchmark rule='modal'")
+    ap.add_argument("--modal-batch", type=int, default=8, help="SE-regime points per model for rule='modal'")
+    ap.add_argument("--modal-tol", type=float, default=1e-8)
+    ap.add_argument("--modal-models", default="attention_L2_T3,attention_L3_T2,attention_L2_T2_heads2")
+    ap.add_argument("--modal-reference", action="store_true", help="also time the independent cubature (1 point)")
+    args = ap.parse_args(argv)
+    if args.modal or args.modal_only:
+        bench_modal(args)
+        if args.modal_only:
+            return
+    rng = np.random.default_rng(0)
+    m = load(ROOT / "attention_L2_T2.toml", skip=1.0)
+    print(f"threads available: {numba.config.NUMBA_NUM_THREADS}; {_load()}")
+    print("two-layer T = 2 (skip 1), single thread, CPU microseconds per evaluation of (g_out, dg_out, log_z_out);")
+    print("error = max over points of |g_out, dg_out - reference| / max(1, size) and |log_z_out - reference|,")
+    print("reference = mapped polar rule (48, 120) (agrees with the Legendre rule (60, 160) to ~1e-13)")
+    sets = {"moderate V (32)": _points(m, rng, SE_PATH[:1], 32)}
+    for lab, reg in zip(SE_LABELS, SE_PATH):
+        sets[f"SE {lab}"] = _points(m, rng, [reg], args.per)
+    refs = {k: m.denoiser(polar=(48, 120), nodes=48, tol=None)(*v) for k, v in sets.items()}
+
+    def err(out, ref):
+        e = _rel_err(out, ref)
+        return float(np.max(np.maximum(e, np.abs(out.log_z_out - ref.log_z_out))))
+
+    rules = [("Gauss-Hermite 16", {"nodes": 16, "polar": None}),
+             ("Legendre (8, 24) [old SE]", {"polar": (8, 24), "polar_map": "legendre", "tol": None}),
+             ("Legendre (18, 48) [old fixed]", {"polar": (18, 48), "polar_map": "legendre", "tol": None}),
+             ("Legendre, tol 1e-8 [old default]", {"polar": (18, 48), "polar_map": "legendre", "tol": 1e-8})]
+    rules += [(f"mapped {pr}", {"polar": pr, "tol": None}) for pr in ((6, 16), (8, 24), (10, 24), (12, 32))]
+    rules += [("mapped, tol 1e-8 [default]", {})]
+    numba.set_num_threads(1)
+    print(f"  {'rule':34s} " + " ".join(f"{k:>24s}" for k in sets))
+    for label, acc in rules:
+        den = m.denoiser(**acc)
+        row = []
+        for k, (y, om, V) in sets.items():
+            den(y[:1], om[:1], V[:1])  # compile / load
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                t, out = _timed(lambda: den(y, om, V), repeat=3, clock=time.process_time)
+            row.append(f"{1e6 * t / len(y):8.0f} us, err {err(out, refs[k]):7.0e}")
+        print(f"  {label:34s} " + " ".join(f"{r:>24s}" for r in row), flush=True)
+    print(f"  ({_load()})")
+    # per evaluation without the per-call Python overhead (~0.2-0.3 ms per call of the default
+    # denoiser, ~10 us per point in the 32-point rows above): a 1024-point batch on one thread;
+    # cold = a fresh denoiser (node tables built in the call), warm = the tables cached
+    yk, omk, Vk = _points(m, rng, SE_PATH[:1], 1024)
+    per_eval = {}
+    for label, acc in (FIXED_DEFAULT, ("mapped, tol 1e-8 [default]", {})):
+        den = m.denoiser(**acc)
+        den(yk[:1], omk[:1], Vk[0])  # compile / load
+        den._tables.clear()
+        t_cold, _ = _timed(lambda: den(yk, omk, Vk[0]), repeat=1, clock=time.process_time)
+        t_warm, _ = _timed(lambda: den(yk, omk, Vk[0]), repeat=3, clock=time.process_time)
+        per_eval[label] = t_warm / 1024
+        print(f"  1 thread, batch of 1024 (moderate V), {label}: {1e6 * t_cold / 1024:.1f} us cold, "
+              f"{1e6 * t_warm / 1024:.1f} us warm per evaluation", flush=True)
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    big = args.batch
+    if big > 0:
+        yb, omb, Vb = _points(m, rng, SE_PATH[:1], big)
+        for label, acc in (("Gauss-Hermite 16", {"nodes": 16, "polar": None}), FIXED_DEFAULT,
+                           ("mapped, tol 1e-8 [default]", {})):
+            den = m.denoiser(**acc)
+            den(yb[:2], omb[:2], Vb[0])
+            t0, c0 = time.perf_counter(), time.process_time()
+            den(yb, omb, Vb[0])
+            t, c = time.perf_counter() - t0, time.process_time() - c0
+            print(f"  batch of {big} (moderate V) on {numba.get_num_threads()} threads, {label}: {t:.2f} s wall, "
+                  f"{c:.2f} s CPU ({1e6 * t / big:.1f} us wall per evaluation; {_load()})", flush=True)
+    if not args.skip_others:
+        for name, vals in (("attention_L3_T2", {"skip": 1.0}), ("attention_L2_T3", {"skip": 1.0})):
+            mm = load(ROOT / f"{name}.toml", **vals)
+            Zm, ym = mm.sample(16, rng)
+            omm = 0.6 * rng.standard_normal((16, mm.p, mm.tokens))
+            numba.set_num_threads(1)
+            for acc in ({"tol": None}, {}):
+                den = mm.denoiser(**acc)
+                den(ym[:1], omm[:1], np.eye(mm.p))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    t, out = _timed(lambda: den(ym, omm, np.eye(mm.p), error=True), repeat=2, clock=time.process_time)
+                print(f"{name}: nodes {den.nodes}, tol {den.tol}: {1e3 * t / len(ym):.2f} ms CPU per evaluation "
+                      f"(1 thread, with the error estimate), estimated error max {np.max(out.error):.0e}", flush=True)
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    if not args.skip_nquad:
+        y, om, V = sets["moderate V (32)"]
+        h = m.denoiser().observe(y[:1])[0]
+        t0 = time.perf_counter()
+        lz, mean = nquad_l2t2(h, om[0], V[0], 1.0)
+        t_nq = time.perf_counter() - t0
+        numba.set_num_threads(1)
+        g_nq = np.linalg.solve(V[0], mean - om[0])
+        for label, acc, key in (("default (tol 1e-8)", {}, "mapped, tol 1e-8 [default]"), (*FIXED_DEFAULT, FIXED_DEFAULT[0])):
+            den = m.denoiser(**acc)
+            den(y[:1], om[:1], V[0])
+            t_ex, out = _timed(lambda: den(y[:1], om[:1], V[0]), clock=time.process_time)
+            batch = (f"; per evaluation in the 1024 batch above {1e6 * per_eval[key]:.1f} us: ratio "
+                     f"{t_nq / per_eval[key]:.2g}") if key in per_eval else ""
+            print(f"scipy nquad (tol 1e-10, log Z and E[Z|y] only): {t_nq:.1f} s per evaluation; aimsym {label}: "
+                  f"one call of one point (Python entry included) {1e3 * t_ex:.3f} ms: ratio {t_nq / t_ex:.0f}{batch}; "
+                  f"|g_out - g_nquad| / |g| = {np.max(np.abs(out.g_out[0] - g_nq)) / np.max(np.abs(g_nq)):.1e}")
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    print(_load())
+
+
+def bench_modal(args):
+    """rule='modal' per evaluation (one thread, CPU time) on SE-regime points: omega ~ N(0, Q),
+    Z ~ N(omega, I - Q), Q = 0.4 I; error against the same rule at tol / 100 (and its own
+    estimate), and optionally against the independent cubature at the first point."""
+    import sys
+
+    numba.set_num_threads(1)
+    print(f"rule='modal', tol {args.modal_tol:g}, {args.modal_batch} SE points (Q = 0.4 I), 1 thread; {_load()}")
+    for name in args.modal_models.split(","):
+        m = load(ROOT / f"{name}.toml", c=1.0)
+        p, T = m.p, m.tokens
+        rng = np.random.default_rng(17)
+        n = args.modal_batch
+        V = 0.6 * np.eye(p)
+        om = np.sqrt(0.4) * rng.standard_normal((n, p, T))
+        Z = om + np.sqrt(0.6) * rng.standard_normal((n, p, T))
+        obs = m.observation(Z)
+        den = m.denoiser(rule="modal", tol=args.modal_tol)
+        den(None, om[:1], V, obs=obs[:1])  # compile / load
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            t, out = _timed(lambda: den(None, om, V, obs=obs), repeat=1, clock=time.process_time)
+            ref = m.denoiser(rule="modal", tol=args.modal_tol / 100, max_regions=400_000)(None, om, V, obs=obs)
+        e = np.maximum(_rel_err(out, ref), np.abs(out.log_z_out - ref.log_z_out))
+        print(f"  {name} (k = {den.dim}): {1e3 * t / n:.1f} ms CPU per evaluation, median evaluations "
+              f"{np.median(out.ess):.0f}; error vs tol/100: max {e.max():.1e}; estimate max {out.error.max():.1e}; "
+              f"actual <= estimate at {np.mean(e <= out.error + ref.error):.0%} of points", flush=True)
+        if args.modal_reference:
+            sys.path.insert(0, str(ROOT.parent / "tests"))
+            from modal_reference import h_of, outputs, reference
+
+            h = h_of(name, Z[0], 1.0)
+            t0 = time.process_time()
+            lz, mean, second, status = reference(name, h, om[0], V, 1.0, rtol=args.modal_tol / 10)
+            t_ref = time.process_time() - t0
+            g, dg = outputs(V, om[0], mean, second)
+            o1 = den(None, om[:1], V, obs=h[None])
+            err = max(np.abs(o1.g_out[0] - g).max() / max(1, np.abs(g).max()),
+                      np.abs(o1.dg_out[0] - dg).max() / max(1, np.abs(dg).max()), abs(o1.log_z_out[0] - lz))
+            print(f"    independent cubature (gk21, rtol {args.modal_tol / 10:g}, {status}): {t_ref:.1f} s CPU, "
+                  f"ratio {t_ref / (t / n):.1f}; modal vs it: {err:.1e} (estimate {o1.error[0]:.1e})", flush=True)
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""Benchmarks: ``python -m aimsym.bench.se [--figure]`` (numbers go to docs/performance.md).
+
+Without options: one SE fixed point and one threshold of the two-layer T = 2 model (skip 1).
+``--figure``: also the whole two-layer figure, by exactly the commands of docs/se.md (thresholds
+at skip 1, 41-point alpha sweep, plot, 16-point phase diagram over skip in [0, 4]), timing each;
+the figures are written to ``--figures`` (default docs/figures) and the data to ``--data``.
+"""
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+from aimsym.model import load
+from aimsym.smi import se, thresholds
+
+L2 = "derivations/attention_L2_T2.toml"
+
+
+def figure_commands(figures: str, data: str) -> list[str]:
+    th, db = f"{data}/se_L2_T2_thresholds_skip1.json", f"{data}/se_L2_T2_skip1.sqlite"
+    return [
+        f"aimsym thresholds {L2} --set skip=1 --samples 32768 --json > {th}",
+        f"aimsym sweep {L2} --set skip=1 --alpha 0.1:1.1:41 --samples 1024 --tol 1e-3 --store {db} "
+        f"--csv {data}/se_L2_T2_skip1.csv --json",
+        f"aimsym plot {db} --thresholds {th} --title 'two layers, T = 2, skip 1' "
+        f"--out {figures}/se_L2_T2_overlaps_skip1.png",
+        f"aimsym thresholds {L2} --over skip=0:4:16 --samples 16384 --stair-samples 8192 --se-samples 1024 "
+        f"--out {data}/se_L2_T2_phase_diagram.json --figure {figures}/se_L2_T2_phase_diagram.png --json > /dev/null",
+    ]
+
+
+def run_figure(figures: str, data: str) -> float:
+    os.makedirs(data, exist_ok=True)
+    bindir = os.path.dirname(sys.executable)
+    env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+    total = 0.0
+    for cmd in figure_commands(figures, data):
+        t = time.perf_counter()
+        subprocess.run(cmd, shell=True, check=True, env=env, stderr=subprocess.DEVNULL)
+        dt = time.perf_counter() - t
+        total += dt
+        print(f"{dt:7.1f} s  {cmd}", flush=True)
+    print(f"whole two-layer figure: {total:.1f} s (goal 120 s)")
+    return total
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--figure", action="store_true", help="also time the whole two-layer figure")
+    ap.add_argument("--figures", default="docs/figures")
+    ap.add_argument("--data", default="/tmp/aimsym_bench_se")
+    args = ap.parse_args(argv)
+    print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores)")
+    m = load(L2, skip=1.0)
+    se.state_evolution(m, 0.5, samples=256, errors=False)  # compile / warm up
+    t = time.perf_counter()
+    r = se.state_evolution(m, 0.5, samples=4096, tol=1e-4, errors=False)
+    print(f"SE fixed point L2_T2 skip=1 alpha=0.5: Q22={r.Q[1, 1]:.4f}±{r.Q_stderr[1, 1]:.4f} "
+          f"({r.iterations} it) {time.perf_counter() - t:.1f} s", flush=True)
+    t = time.perf_counter()
+    th = thresholds.initial_threshold(m, samples=1 << 16)
+    print(f"alpha_c L2_T2 skip=1: {th['alpha']:.4f}±{th['stderr']:.4f} {time.perf_counter() - t:.1f} s", flush=True)
+    if args.figure:
+        run_figure(args.figures, args.data)
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,209 @@
+"""Denoiser for a hardmax last layer after a tied rank-one first layer, T = 2 (reduction kind
+``hardmax-wedge-mixed``; theory section 3, region constraints).
+
+With u = z_1 (first-layer index, both tokens) and w = z_2, the last layer sees
+v = M_1(u) w, M_1(u) = c I + S_1(u), and y = hardmax(beta v v^T) reveals the signs of
+v_1 (v_1 - v_2) and v_2 (v_2 - v_1): v lies in a union W_y of the six wedges cut by v_1 = 0,
+v_2 = 0, v_1 = v_2 (two opposite wedges for each of the three possible patterns; the
+anti-diagonal pattern has probability zero). Hence
+
+    Z_out(y; omega, V) = P(y) = int du N(u; omega_u, V_uu I) P(w in M_1(u)^{-1} W_y | u),
+
+w | u ~ N(m(u), s^2 I) with m_t = omega_{w,t} + (V_uw / V_uu)(u_t - omega_{u,t}) and
+s^2 = V_ww - V_uw^2 / V_uu (tokens independent, so the conditional is isotropic). The image of
+a wedge under M_1(u)^{-1} is a wedge; on it the probability and the first two moments of w are
+a radial closed form integrated over the angle (graded Gauss-Legendre, ``wedge`` nodes per
+piece). The outer integral over u uses a polar rule (``polar`` = angle nodes per sector, radial
+nodes) on the disk (or annular sector, when omega_u is far from the origin) holding the prior
+of u to 9 standard deviations, cut on the lines u_1 = 0, u_2 = 0, u_1 = u_2 where the first
+layer's attention switches. ``log_z_out`` is the log probability of y (normalised: the three
+possible outputs sum to one). g_out and dg_out come from the posterior mean and covariance of Z.
+
+The numeric driver is :mod:`aimsym.denoise.hardmax_template` (appended to the generated module with
+the model's ``mixing`` kernel).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ChannelError
+from .output import DenoiserOutput
+
+# outer polar rule (angle nodes per sector, radial nodes) and Gauss-Legendre nodes per graded
+# angular piece of a wedge; about 1e-9 relative at moderate V (docs/denoiser.md)
+DEFAULT_POLAR = (16, 40)
+DEFAULT_WEDGE = 10
+# v-plane wedges: edges (0, 1, 2, 4, 5, 6, 8) x pi/4 (same order as HM_EDGES in the driver)
+_EDGES = np.array([0.0, 1.0, 2.0, 4.0, 5.0, 6.0, 8.0]) * np.pi / 4
+
+_STATUS = {
+    1: ("V", "is not symmetric positive definite"),
+    3: ("y", "has zero likelihood under the model at this omega, V (or M_1 is singular everywhere)"),
+    4: ("omega", "gave a non-finite posterior weight (|omega| or 1/V too large)"),
+}
+
+
+def wedge_patterns(beta_sign: float) -> np.ndarray:
+    """(6, 2, 2): the hardmax output of each v-plane wedge (beta of the given sign)."""
+    out = np.empty((6, 2, 2))
+    for k, (a0, a1) in enumerate(zip(_EDGES[:-1], _EDGES[1:])):
+        e = np.array([np.cos((a0 + a1) / 2), np.sin((a0 + a1) / 2)])
+        A = beta_sign * np.outer(e, e)
+        out[k] = (A == A.max(axis=1, keepdims=True)).astype(float)
+    return out
+
+
+def _sizes(value, name, default, length):
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return default
+    if length == 0:
+        if isinstance(value, int | np.integer) and not isinstance(value, bool) and 2 <= value <= 128:
+            return int(value)
+        raise ChannelError(name, f"must be an integer in 2..128, got {value!r}")
+    if (isinstance(value, tuple | list) and len(value) == length
+            and all(isinstance(v, int | np.integer) and not isinstance(v, bool) and 2 <= v <= 256 for v in value)):
+        return tuple(int(v) for v in value)
+    raise ChannelError(name, f"must be (angle nodes per sector, radial nodes), integers in 2..256; got {value!r}")
+
+
+class HardmaxMixedDenoiser:
+    """``den(y, omega, V)`` for models of reduction kind ``hardmax-wedge-mixed``: y (..., 2, 2)
+    hardmax outputs, omega (..., 2, 2), V (2, 2) or (..., 2, 2).
+
+    Accuracy: ``polar`` (angle nodes per sector, radial nodes) for the outer integral over the
+    first-layer index, ``wedge`` Gauss-Legendre nodes per angular piece of a wedge.
+    ``nodes``, ``adapt``, ``inflate`` and ``check_tol`` (Gauss-Hermite settings of other
+    paths, passed by the solvers) are accepted and not used here. ``error=True`` estimates the
+    error from rules of 3/4 the size (per sample, the largest difference of g_out and dg_out
+    relative to max(1, their size), and of log_z_out); ``tol`` refines (rules x1.5) the
+    samples whose estimate exceeds tol, at most ``max_refine`` times.
+    """
+
+    path = "exact"
+
+    def __init__(self, model, *, polar="auto", wedge=None, nodes=None, adapt=None, inflate=None, check_tol=None):
+        self.model = model
+        self.kernels = model.kernels
+        if self.kernels.PATH != "hardmax-wedge-mixed":
+            raise ChannelError("model", f"{model.name!r} is not a hardmax-last-layer model (path {self.kernels.PATH!r})")
+        self.params = model.params_array()
+        self.dim = int(self.kernels.INTEGRAL_DIM)
+        self.polar = _sizes(polar, "polar", DEFAULT_POLAR, 2)
+        self.wedge = _sizes(wedge, "wedge", DEFAULT_WEDGE, 0)
+        beta = float(self.kernels.last_beta(self.params))
+        if not (np.isfinite(beta) and beta != 0.0):
+            raise ChannelError("beta", f"the hardmax layer's beta must be finite and non-zero, got {beta}")
+        self.patterns = wedge_patterns(np.sign(beta))
+        self._rules = {}
+
+    @property
+    def accuracy(self) -> dict:
+        return {"path": self.path, "integral_dim": self.dim, "polar": self.polar, "wedge": self.wedge,
+                "rule": "polar rule in u = z_1 split on u_1 = 0, u_2 = 0, u_1 = u_2; wedges in z_2 by radial "
+                        "closed form and graded Gauss-Legendre in angle"}
+
+    def _rule(self, polar, wedge):
+        key = (polar, wedge)
+        if key not in self._rules:
+            leg = np.polynomial.legendre.leggauss
+            self._rules[key] = (*leg(polar[0]), *leg(polar[1]), *leg(wedge))
+        return self._rules[key]
+
+    def mask(self, y) -> np.ndarray:
+        """(..., 6) boolean: the v-plane wedges whose hardmax output is y; checks y."""
+        y = np.asarray(y, dtype=float)
+        if y.shape[-2:] != (2, 2):
+            raise ChannelError("y", f"expected shape (..., 2, 2), got {y.shape}")
+        if not np.all(np.isfinite(y)):
+            raise ChannelError("y", "contains NaN or infinite entries")
+        if not np.all(np.isin(y, (0.0, 1.0))) or np.any(y.sum(axis=-1) != 1):
+            raise ChannelError("y", "a hardmax output must have rows with a single 1 and zeros elsewhere")
+        m = np.all(y[..., None, :, :] == self.patterns, axis=(-2, -1))
+        if not np.all(m.any(axis=-1)):
+            bad = int(np.argmax(~m.reshape(-1, 6).any(axis=1)))
+            raise ChannelError("y", f"sample {bad}: this hardmax pattern has probability zero under the model "
+                                    f"(possible: {', '.join(str(p.astype(int).tolist()) for p in np.unique(self.patterns, axis=0))})")
+        return m
+
+    def __call__(self, y, omega, V, *, error: bool = False, obs=None, tol: float | None = None,
+                 max_refine: int = 3):
+        if obs is not None:
+            raise ChannelError("obs", "the hardmax-last-layer path takes y itself (no reduced observation)")
+        if tol is not None and not (isinstance(tol, float | int) and not isinstance(tol, bool) and tol > 0):
+            raise ChannelError("tol", f"must be a positive number, got {tol!r}")
+        if not (isinstance(max_refine, int | np.integer) and 0 <= max_refine <= 10):
+            raise ChannelError("max_refine", f"must be an integer in 0..10, got {max_refine!r}")
+        omega = np.asarray(omega, dtype=float)
+        V = np.asarray(V, dtype=float)
+        if omega.shape[-2:] != (2, 2):
+            raise ChannelError("omega", f"expected shape (..., 2, 2), got {omega.shape}")
+        if V.shape[-2:] != (2, 2):
+            raise ChannelError("V", f"expected shape (..., 2, 2), got {V.shape}")
+        if not np.all(np.isfinite(omega)):
+            raise ChannelError("omega", "contains NaN or infinite entries")
+        if not np.all(np.isfinite(V)):
+            raise ChannelError("V", "contains NaN or infinite entries")
+        mask = self.mask(y)
+        batch = np.broadcast_shapes(mask.shape[:-1], omega.shape[:-2], V.shape[:-2] if V.ndim > 2 else ())
+        mask_f = np.ascontiguousarray(np.broadcast_to(mask, (*batch, 6)).reshape(-1, 6))
+        om_f = np.ascontiguousarray(np.broadcast_to(omega, (*batch, 2, 2)).reshape(-1, 2, 2))
+        if V.ndim == 2:
+            V_f = np.ascontiguousarray(V.reshape(1, 2, 2))
+        else:
+            V_f = np.ascontiguousarray(np.broadcast_to(V, (*batch, 2, 2)).reshape(-1, 2, 2))
+        V_f = 0.5 * (V_f + np.swapaxes(V_f, 1, 2))
+        polar, wedge = self.polar, self.wedge
+        g, dg, extra = self._run(mask_f, om_f, V_f, polar, wedge)
+        err = None
+        if error or tol is not None:
+            err = self._difference(mask_f, om_f, V_f, polar, wedge, g, dg, extra)
+            level = 0
+            while tol is not None and level < max_refine:
+                bad = np.flatnonzero(err > tol)
+                if not bad.size:
+                    break
+                level += 1
+                polar = tuple(int(np.ceil(1.5 * v)) for v in polar)
+                wedge = int(np.ceil(1.5 * wedge))
+                Vb = V_f if V_f.shape[0] == 1 else V_f[bad]
+                gb, dgb, exb = self._run(mask_f[bad], om_f[bad], Vb, polar, wedge)
+                err[bad] = self._difference(mask_f[bad], om_f[bad], Vb, polar, wedge, gb, dgb, exb)
+                g[bad], dg[bad], extra[bad] = gb, dgb, exb
+            err = err.reshape(batch)
+        return DenoiserOutput(
+            g_out=g.reshape(*batch, 2, 2),
+            dg_out=dg.reshape(*batch, 2, 2, 2, 2),
+            log_z_out=extra[:, 0].reshape(batch),
+            ess=extra[:, 1].reshape(batch),
+            error=err,
+            path=self.path,
+            polar=np.ones(batch, dtype=bool),
+        )
+
+    def _difference(self, mask, omega, V, polar, wedge, g, dg, extra):
+        """Per sample: difference to rules of 3/4 the size, relative to max(1, size)."""
+        small = tuple(v - v // 4 for v in polar)
+        g2, dg2, ex2 = self._run(mask, omega, V, small, wedge - wedge // 4)
+        n = len(g)
+        gs = np.maximum(1.0, np.abs(g).reshape(n, -1).max(axis=1))
+        ds = np.maximum(1.0, np.abs(dg).reshape(n, -1).max(axis=1))
+        return np.maximum.reduce([np.abs(g - g2).reshape(n, -1).max(axis=1) / gs,
+                                  np.abs(dg - dg2).reshape(n, -1).max(axis=1) / ds,
+                                  np.abs(extra[:, 0] - ex2[:, 0])])
+
+    def _run(self, mask, omega, V, polar, wedge):
+        n = omega.shape[0]
+        g = np.empty((n, 2, 2))
+        dg = np.empty((n, 2, 2, 2, 2))
+        extra = np.empty((n, 2))
+        status = np.empty(n, dtype=np.int64)
+        th, w_th, rr, w_r, gx, gw = self._rule(polar, wedge)
+        self.kernels.hm_denoise_batch(mask, omega, V, self.params, th, w_th, rr, w_r, gx, gw, g, dg, extra, status)
+        bad = np.flatnonzero(status)
+        if bad.size:
+            i = int(bad[0])
+            fld, msg = _STATUS.get(int(status[i]), ("input", f"failed with status {int(status[i])}"))
+            more = f" ({bad.size} samples affected)" if bad.size > 1 else ""
+            raise ChannelError(fld, f"sample {i}: {msg}{more}")
+        return g, dg, extra

@@ -1,0 +1,231 @@
+"""Mode-centred, error-controlled integration of reduced posteriors of any dimension k.
+
+The reduced posterior of an exact path (theory section 3) lives on k free entries u and two or
+more branches; for k >= 3 it is smooth but often multimodal (the sign images of each earlier
+layer's index, branches of the attention) and sharply anisotropic where one layer is nearly known.
+This module integrates it as follows (kernels in ``modal_template.py``, compiled per model):
+
+1. *Modes.* log f_b(u) is screened on a tensor grid over the prior of u (``SCREEN`` points per
+   axis, in prior-whitened coordinates); damped Newton with finite-difference derivatives runs
+   from the best ``N_START`` distinct grid points per branch and from the sign images of every
+   mode found. Each distinct mode j gives a Laplace Gaussian phi_j (covariance the inverse
+   -Hessian, times ``INFLATE``^2) and a Laplace mass a_j.
+2. *Partition of unity.* int f_b = sum_j int f_b a_j phi_j / q_b with q_b = sum_i a_i phi_i
+   over the branch's components; each term is E_{phi_j}[a_j f_b / q_b], smooth where phi_j
+   matters, integrated by a standard-normal rule mapped onto phi_j. No region is counted twice.
+3. *Cubature and error.* Each term is written over (-1, 1)^k (u = m_j + L_j x,
+   x_i = y_i / (1 - y_i^2): no truncation) and integrated by globally adaptive subdivision with
+   the Genz-Malik degree-7 rule (the region with the largest |I7 - I5| is halved along its axis
+   of largest fourth difference). The error estimate is the change of all the moment sums since
+   the region count was half of the current one, propagated to first order to g_out and dg_out
+   (relative to their size, at least 1) and log Z_out (absolute); it stops when that is <= tol,
+   or at ``max_regions`` regions (the budget), where the estimate is reported as it stands and
+   a RuntimeWarning counts the samples above tol.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+
+TEMPLATE = Path(__file__).with_name("modal_template.py")
+MARKER = "# ---- template begins ----"
+# screening grid: points per axis of the tensor Gauss-Hermite grid over the prior of u, spread
+# by SCREEN_SPREAD (so the grid reaches about 3 prior sd)
+SCREEN = {1: 15, 2: 9, 3: 5, 4: 4, 5: 3, 6: 3}
+SCREEN_SPREAD = 1.0
+N_START = 3
+INFLATE = 1.0
+MAX_COMP = 32
+# default budget: regions of the adaptive cubature per sample (each costs one Genz-Malik rule,
+# 2^D + 2 D^2 + 1 evaluations; memory (1 + pT + pT (pT + 1) / 2) doubles per region)
+MAX_REGIONS = 100_000
+# fast path: tensor Gauss-Hermite sizes per axis, per dimension (successive pairs give the estimate)
+FAST = True
+FAST_SIZES = {1: (12, 18, 27, 40), 2: (8, 12, 18, 27), 3: (6, 9, 13, 19), 4: (5, 7, 10, 14), 5: (4, 6, 8), 6: (3, 5, 7)}
+
+
+def _source(kernels) -> str:
+    text = Path(kernels.__file__).read_text()
+    tmpl = TEMPLATE.read_text()
+    return text + "\n\n" + tmpl[tmpl.index(MARKER) + len(MARKER):]
+
+
+def load(kernels):
+    """The model's generated module with the modal driver appended, imported from a file in the
+    cache directory keyed by its content (so numba's on-disk cache serves it)."""
+    from ..derive.files import cache_dir, import_module
+
+    text = _source(kernels)
+    key = hashlib.sha1(text.encode()).hexdigest()[:16]
+    path = cache_dir() / "modal" / f"{kernels.NAME}_{key}.py"
+    if not path.exists() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # (per process: concurrent writers)
+        tmp.write_text(text)
+        tmp.replace(path)
+    return import_module(path)
+
+
+@lru_cache(maxsize=64)
+def _gh1(n: int):
+    x, w = np.polynomial.hermite_e.hermegauss(n)
+    return x, w / np.sqrt(2 * np.pi)
+
+
+@lru_cache(maxsize=64)
+def tensor(D: int, n: int):
+    """Tensor Gauss-Hermite rule for the standard normal: (nodes, log weights, signs)."""
+    x, w = _gh1(n)
+    grids = np.meshgrid(*([x] * D), indexing="ij")
+    nodes = np.stack([g.reshape(-1) for g in grids], axis=1)
+    lw = sum(np.log(w)[i.reshape(-1)] for i in np.meshgrid(*([np.arange(n)] * D), indexing="ij"))
+    return np.ascontiguousarray(nodes), np.ascontiguousarray(lw), np.ones(len(lw))
+
+
+def fast_rules(D: int):
+    """The fast path's rules on the standard normal in D dimensions: [(nodes, weights)]."""
+    out = []
+    for m in FAST_SIZES.get(D, (3, 5)):
+        nodes, lw, _ = tensor(D, m)
+        out.append((nodes, np.exp(lw)))
+    return out
+
+
+def flips(kernels) -> np.ndarray:
+    """Sign patterns on u of the link's symmetries: every combination of the sign flips of the
+    row groups in EVEN_ROWS that touch free entries only (a solved row's flip is a branch)."""
+    free_k = list(np.asarray(kernels.FREE_K))
+    solved = {k for k, _ in kernels.SOLVED}
+    gens = []
+    for rows in kernels.EVEN_ROWS:
+        if any(r in solved for r in rows):
+            continue
+        v = np.array([-1.0 if k in rows else 1.0 for k in free_k])
+        if np.any(v < 0):
+            gens.append(v)
+    pats = {tuple(np.ones(len(free_k)))}
+    for g in gens:
+        pats |= {tuple(np.array(p) * g) for p in pats}
+    pats.discard(tuple(np.ones(len(free_k))))
+    out = np.array(sorted(pats), dtype=float).reshape(-1, len(free_k))
+    return np.ascontiguousarray(out)
+
+
+@lru_cache(maxsize=16)
+def genz_malik(D: int):
+    """Genz-Malik degree-7 rule on [-1, 1]^D with its embedded degree-5 rule, weights
+    normalised to the mean (multiply by the volume): (points, w7, w5). Points are ordered
+    centre, +-lambda2 e_i, +-lambda3 e_i, +-lambda4 (e_i +- e_j), (+-lambda5)^D."""
+    l2, l3, l4, l5 = math.sqrt(9 / 70), math.sqrt(9 / 10), math.sqrt(9 / 10), math.sqrt(9 / 19)
+    W7 = [(12824 - 9120 * D + 400 * D * D) / 19683, 980 / 6561, (1820 - 400 * D) / 19683, 200 / 19683,
+          6859 / 19683 / 2**D]
+    W5 = [(729 - 950 * D + 50 * D * D) / 729, 245 / 486, (265 - 100 * D) / 1458, 25 / 729, 0.0]
+    pts, w7, w5 = [np.zeros(D)], [W7[0]], [W5[0]]
+    for lam, k in ((l2, 1), (l3, 2)):
+        for i in range(D):
+            for s in (1.0, -1.0):
+                x = np.zeros(D)
+                x[i] = s * lam
+                pts.append(x)
+                w7.append(W7[k])
+                w5.append(W5[k])
+    for i in range(D):
+        for j in range(i + 1, D):
+            for s in (1.0, -1.0):
+                for t in (1.0, -1.0):
+                    x = np.zeros(D)
+                    x[i], x[j] = s * l4, t * l4
+                    pts.append(x)
+                    w7.append(W7[3])
+                    w5.append(W5[3])
+    for sg in itertools.product((1.0, -1.0), repeat=D):
+        pts.append(l5 * np.array(sg))
+        w7.append(W7[4])
+        w5.append(0.0)
+    return np.ascontiguousarray(np.array(pts)), np.array(w7), np.array(w5)
+
+
+def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_REGIONS):
+    """Mode search and adaptive integration of a flattened batch (V leading size 1 or n).
+    Returns g_out, dg_out, log Z_out, error estimate, function evaluations, budget-hit flags
+    and a STATUS array."""
+    K = load(kernels)
+    D = int(K.INTEGRAL_DIM)
+    n = omega.shape[0]
+    p, T = omega.shape[1:]
+    xs = tensor(D, SCREEN.get(D, 3))[0] * SCREEN_SPREAD
+    fl = flips(K)
+    if fl.shape[0] == 0:
+        fl = np.zeros((0, D))
+    cb = np.zeros((n, MAX_COMP), np.int64)
+    cm = np.zeros((n, MAX_COMP, D))
+    cL = np.zeros((n, MAX_COMP, D, D))
+    cla = np.zeros((n, MAX_COMP))
+    nc = np.zeros(n, np.int64)
+    K.modal_modes(obs, omega, V, params, np.ascontiguousarray(xs), fl, N_START, INFLATE, cb, cm, cL, cla, nc)
+    g = np.empty((n, p, T))
+    dg = np.empty((n, p, T, p, T))
+    extra = np.zeros((n, 4))
+    status = np.zeros(n, np.int64)
+    status[nc < 0] = -nc[nc < 0]
+    fast = np.zeros(n, bool)
+    if FAST:
+        fast = _fast_path(K, obs, omega, V, params, nc, cb, cm, cL, cla, tol, g, dg, extra, status)
+    rest = np.flatnonzero(~fast & (status == 0))
+    if rest.size:
+        gp, w7, w5 = genz_malik(D)
+        sub = (lambda a: a[rest]) if V.shape[0] != 1 else (lambda a: a)
+        g2, dg2 = np.empty((rest.size, p, T)), np.empty((rest.size, p, T, p, T))
+        ex2, st2 = np.empty((rest.size, 4)), np.zeros(rest.size, np.int64)
+        K.modal_adaptive(obs[rest], omega[rest], sub(V), params, nc[rest], cb[rest], cm[rest], cL[rest], cla[rest],
+                         gp, w7, w5, float(tol), int(max_regions), g2, dg2, ex2, st2)
+        g[rest], dg[rest], extra[rest], status[rest] = g2, dg2, ex2, st2
+    return g, dg, extra[:, 0], extra[:, 2], extra[:, 1], extra[:, 3] > 0, status
+
+
+def _fast_path(K, obs, omega, V, params, nc, cb, cm, cL, cla, tol, g, dg, extra, status):
+    """Standard-normal rules of increasing size on every component (FAST_SIZES). The change d_l
+    between rules l - 1 and l, propagated to g_out, dg_out and log Z_out, bounds the error of
+    rule l - 1; once two successive changes decrease (the rule converges), d_l also bounds the
+    error of rule l, which is reported with d_l as its estimate when that is <= tol (d_l + d_{l-1}
+    where they do not decrease: both at rounding level, say). Returns the
+    mask of samples done (the rest go to the adaptive driver)."""
+    D = int(K.INTEGRAL_DIM)
+    n, p, T = omega.shape
+    nq = 1 + p * T + p * T * (p * T + 1) // 2
+    done = np.zeros(n, bool)
+    active = np.flatnonzero((nc > 0) & (status == 0))
+    prev = prev_d = None
+    evals = np.zeros(n)
+    for nodes, w in fast_rules(D):
+        if active.size == 0:
+            break
+        tot = np.zeros((active.size, nq))
+        fshift = np.empty(active.size)
+        K.modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, active, tot, fshift)
+        evals[active] += len(w) * nc[active]
+        d = np.full(active.size, np.inf)
+        if prev is not None:
+            gg, dd = np.empty((active.size, p, T)), np.empty((active.size, p, T, p, T))
+            ex, st = np.zeros((active.size, 4)), np.zeros(active.size, np.int64)
+            K.modal_finish(omega, V, active, tot, np.abs(tot - prev), fshift, gg, dd, ex, st)
+            d = ex[:, 2] / K.MODAL_SAFETY
+            # not decreasing (both changes at rounding level, or not yet converging): the sum
+            est = np.where(d < prev_d, d, d + prev_d)
+            ok = (st == 0) & (est <= tol)
+            sel = active[ok]
+            g[sel], dg[sel], extra[sel] = gg[ok], dd[ok], ex[ok]
+            extra[sel, 2] = est[ok]
+            extra[sel, 1] = evals[sel]
+            done[sel] = True
+            active, tot, d = active[~ok], tot[~ok], d[~ok]
+        prev, prev_d = tot, d
+    return done

@@ -1,0 +1,295 @@
+"""GAMP at finite size for SMI models with a Gaussian prior (theory section 6).
+
+One iteration, with the batch denoiser ``den`` of the model:
+
+    V        = C_hat
+    omega_mu = W_hat X_mu / sqrt(d) - V g_mu^prev                    (Onsager term; g^prev = 0 at start)
+    g_mu, dg_mu = g_out, dg_out (y_mu, omega_mu, V)
+    A        = -(1/d) sum_mu sum_t dg_mu[:, t; :, t]
+    B        = (1/sqrt(d)) sum_mu g_mu X_mu^T + A W_hat
+    W_hat    = (I + A + lambda I)^{-1} (B + sqrt(lambda) S),   C_hat = (I + A + lambda I)^{-1}
+
+S = sqrt(lambda) W* + N(0, 1) is the side information (lambda = 0: none). Damping mixes the new
+(W_hat, C_hat) with the previous ones: new <- (1 - damping) new + damping old.
+
+Leaving Q = 0. For links even in some index group (every tied attention link), g_out(y, 0, I) = 0
+and W_hat = 0 is a fixed point. Two ways out, both recorded in the result: side information
+``lam`` > 0 (same lambda as the state evolution of theory section 4, so AMP and SE stay
+comparable iteration by iteration; the default for ``run_amp``), or ``init_scale`` > 0:
+W_hat_0 = init_scale * N(0, 1) (uninformative, C_hat_0 = I), which leaves Q = 0 through
+finite-size fluctuations like the SE from a tiny Q.
+
+Overlaps. Iteration 0 is the initialisation; iteration t >= 1 follows t updates, matching SE
+step t from the same start. For sign symmetries of the link (model.symmetries) the
+estimator is identifiable only up to the flip of each group: ``run_amp`` reports overlaps with
+the groups flipped so that each diagonal block of the *final* M has a non-negative trace (the
+same flips at every iteration).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .data import back_project, indices, teacher_student
+from ..errors import AimsymError
+
+# GAMP accuracy default: Gauss-Hermite points per dimension for integrals of dimension >= 2
+# (about 1e-4 relative on L2_T2, far below the 1/sqrt(d) fluctuations of AMP at d <= 10^4).
+AMP_NODES_2D = 16
+
+
+@dataclass
+class AMPTrace:
+    """One GAMP run on one data set."""
+
+    W_hat: np.ndarray  # (p, d) final estimate
+    C_hat: np.ndarray  # (p, p) final variance
+    M: np.ndarray  # (iters + 1, p, p): W_hat W*^T / d per iteration (index 0 = init)
+    Q: np.ndarray  # (iters + 1, p, p): W_hat W_hat^T / d
+    test_error: np.ndarray  # (iters + 1,): plug-in prediction error per test sample
+    change: np.ndarray  # (iters,): rms change of W_hat per iteration
+    converged: bool
+    iterations: int
+    timing: dict = field(default_factory=dict)
+
+
+def _check_unit(value, fld: str, low: float, high: float, *, high_open: bool = True):
+    ok = np.isfinite(value) and low <= value and (value < high if high_open else value <= high)
+    if not ok:
+        raise AimsymError(fld, f"must be in [{low}, {high}{')' if high_open else ']'}, got {value!r}")
+
+
+def gamp(den, data, *, lam: float = 0.0, damping: float = 0.0, max_iter: int = 50, tol: float = 1e-4,
+         min_iter: int = 3, init_scale: float = 0.0, rng: np.random.Generator | None = None,
+         test=None, callback=None, onsager: bool = True) -> AMPTrace:
+    """Run GAMP on ``data`` (a :class:`~aimsym.smi.data.TeacherStudentData`) with denoiser ``den``.
+
+    ``rng`` draws the side information and the random init (required if either is used).
+    ``test``: held-out data with the same teacher for the prediction error (optional).
+    Stops when the rms change of W_hat per entry is below ``tol`` (after ``min_iter``) or at
+    ``max_iter``. ``callback(t, M, Q)`` is called after each iteration. ``onsager=False`` drops the
+    Onsager term (a diagnostic: the iteration then no longer follows the SE).
+    """
+    model = den.model
+    _check_unit(lam, "lambda", 0.0, np.inf)
+    _check_unit(damping, "damping", 0.0, 1.0)
+    _check_unit(init_scale, "init_scale", 0.0, np.inf)
+    if not (isinstance(max_iter, int | np.integer) and max_iter >= 1):
+        raise AimsymError("max_iter", f"must be a positive integer, got {max_iter!r}")
+    if (lam > 0 or init_scale > 0) and rng is None:
+        raise AimsymError("rng", "side information or a random init needs an explicit numpy Generator")
+    p, d = data.W_star.shape
+    n, T = data.n, model.tokens
+    eye = np.eye(p)
+    S = np.sqrt(lam) * data.W_star + rng.standard_normal((p, d)) if lam > 0 else None
+    W_hat = init_scale * rng.standard_normal((p, d)) if init_scale > 0 else np.zeros((p, d))
+    C_hat = eye.copy()
+    g_prev = np.zeros((n, p, T))
+
+    Ms, Qs, errs, changes = [], [], [], []
+    t_den = t_lin = 0.0
+
+    def record(W):
+        Ms.append(W @ data.W_star.T / d)
+        Qs.append(W @ W.T / d)
+        errs.append(prediction_error(model, W, test) if test is not None else np.nan)
+
+    record(W_hat)
+    converged = False
+    it = 0
+    for it in range(1, max_iter + 1):
+        t0 = time.perf_counter()
+        V = 0.5 * (C_hat + C_hat.T)
+        omega = indices(W_hat, data.X_rows)
+        if onsager:
+            omega = omega - np.einsum("kl,nlt->nkt", V, g_prev)
+        t1 = time.perf_counter()
+        out = den(data.y, omega, V)
+        t2 = time.perf_counter()
+        g = out.g_out
+        A = -np.einsum("nktlt->kl", out.dg_out) / d
+        A = 0.5 * (A + A.T)
+        B = back_project(g, data.X_rows) + A @ W_hat
+        if S is not None:
+            B = B + np.sqrt(lam) * S
+        C_new = np.linalg.inv(eye + A + lam * eye)
+        W_new = C_new @ B
+        C_new = 0.5 * (C_new + C_new.T)
+        if not (np.all(np.isfinite(W_new)) and np.all(np.isfinite(C_new))):
+            raise AimsymError("damping", f"GAMP diverged at iteration {it} (non-finite estimate); "
+                                         "increase damping or lambda")
+        if np.linalg.eigvalsh(C_new)[0] <= 0:
+            raise AimsymError("damping", f"GAMP iteration {it}: C_hat lost positive definiteness "
+                                         "(I + A not positive); increase damping")
+        W_new = (1 - damping) * W_new + damping * W_hat
+        C_new = (1 - damping) * C_new + damping * C_hat
+        change = float(np.sqrt(np.mean((W_new - W_hat) ** 2)))
+        W_hat, C_hat, g_prev = W_new, C_new, g
+        t_lin += (t1 - t0) + (time.perf_counter() - t2)
+        t_den += t2 - t1
+        changes.append(change)
+        record(W_hat)
+        if callback is not None:
+            callback(it, Ms[-1], Qs[-1])
+        if it >= min_iter and change < tol:
+            converged = True
+            break
+    return AMPTrace(W_hat=W_hat, C_hat=C_hat, M=np.array(Ms), Q=np.array(Qs), test_error=np.array(errs),
+                    change=np.array(changes), converged=converged, iterations=it,
+                    timing={"denoiser_s": t_den, "linear_algebra_s": t_lin, "iterations": it})
+
+
+def prediction_error(model, W_hat, test) -> float:
+    """Plug-in test error: mean over test samples of ||y - g(W_hat X / sqrt(d))||^2."""
+    y_hat = model.link(indices(W_hat, test.X_rows))
+    return float(np.mean(np.sum((test.y - y_hat).reshape(test.n, -1) ** 2, axis=1)))
+
+
+# ----------------------------------------------------------------------------- sign flips
+
+
+def sign_groups(model) -> list[list[int]]:
+    """Index groups whose joint sign flip leaves the link invariant (proper subsets only)."""
+    groups = []
+    for sym in model.symmetries:
+        rows = sorted(int(r) for r in sym["rows"])
+        if 0 < len(rows) < model.p and rows not in groups:
+            groups.append(rows)
+    return groups
+
+
+def sign_flips(model, M: np.ndarray) -> np.ndarray:
+    """Diagonal +-1 vector making each symmetric group's diagonal block of M non-negative in trace."""
+    s = np.ones(M.shape[0])
+    for rows in sign_groups(model):
+        if np.trace((s[:, None] * M)[np.ix_(rows, rows)]) < 0:
+            s[rows] *= -1
+    if not sign_groups(model) and any(len(sym["rows"]) == model.p for sym in model.symmetries):
+        if np.trace(M) < 0:  # only the global flip Z -> -Z (e.g. phase retrieval, p = 1)
+            s *= -1
+    return s
+
+
+# ----------------------------------------------------------------------------- several seeds
+
+
+def index_labels(model) -> list[str]:
+    """Readable name of each row of Z (``layer l: W column k`` for attention models)."""
+    spec = model.spec
+    if getattr(spec, "kind", "") == "attention":
+        return [lb.text() for lb in model.labels]
+    return [f"index {k + 1}" for k in range(model.p)]
+
+
+def default_nodes(model) -> int | None:
+    """GAMP default accuracy: AMP_NODES_2D points per dimension for integrals of dimension >= 2."""
+    dim = int(model.kernels.INTEGRAL_DIM)
+    return AMP_NODES_2D if dim >= 2 else None
+
+
+def _pad(a: np.ndarray, length: int) -> np.ndarray:
+    """Extend a per-iteration array with its last value (runs that stopped early sit at their fixed point)."""
+    if len(a) >= length:
+        return a[:length]
+    return np.concatenate([a, np.repeat(a[-1:], length - len(a), axis=0)])
+
+
+def run_amp(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, lam: float = 1e-2,
+            damping: float = 0.0, max_iter: int = 50, tol: float = 1e-4, min_iter: int = 3,
+            init_scale: float = 0.0, n_test: int | None = None, nodes: int | None = None,
+            den=None, progress: bool = False) -> dict:
+    """GAMP on ``seeds`` independent teacher-student data sets; mean and standard error per iteration.
+
+    Run r uses ``SeedSequence(seed).spawn(seeds)[r]`` for its teacher, data, test set, side
+    information and init. Returns a JSON-able dict (see docs/amp.md).
+    """
+    from ..provenance import provenance
+
+    if not (isinstance(seeds, int | np.integer) and seeds >= 1):
+        raise AimsymError("seeds", f"must be a positive integer, got {seeds!r}")
+    if isinstance(seed, int | np.integer) and seed < 0:
+        raise AimsymError("seed", f"must be an integer >= 0, got {seed!r}")
+    if den is None:
+        den = model.denoiser(nodes=nodes if nodes is not None else default_nodes(model))
+    n_test = n_test if n_test is not None else min(2000, max(200, int(round(alpha * d))))
+    children = np.random.SeedSequence(seed).spawn(seeds)
+    traces = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=seeds * max_iter, desc="amp", unit="it", file=__import__("sys").stderr)
+    for r, ss in enumerate(children):
+        s_data, s_test, s_amp = ss.spawn(3)
+        data = teacher_student(model, d, alpha=alpha, seed=s_data)
+        test = teacher_student(model, d, n=n_test, seed=s_test, W_star=data.W_star)
+        cb = None
+        if bar is not None:
+            def cb(t, M, Q, _r=r):  # noqa: ANN001
+                bar.update(1)
+                bar.set_postfix(seed=_r, M_diag=np.round(np.diag(M), 3).tolist())
+        tr = gamp(den, data, lam=lam, damping=damping, max_iter=max_iter, tol=tol, min_iter=min_iter,
+                  init_scale=init_scale, rng=np.random.default_rng(s_amp), test=test, callback=cb)
+        if bar is not None:
+            bar.update(max_iter - tr.iterations)
+        traces.append(tr)
+    if bar is not None:
+        bar.close()
+    out = summarise(model, traces, den=den, settings={
+        "d": d, "alpha": alpha, "n": int(round(alpha * d)), "n_test": n_test, "seeds": seeds, "lambda": lam,
+        "damping": damping, "max_iter": max_iter, "tol": tol, "min_iter": min_iter, "init_scale": init_scale,
+    }, provenance_record=provenance(seed=seed, model_hash=model.hash(), accuracy=den.accuracy,
+                                   seeds_spawned=seeds))
+    stalled = sum(1 for tr in traces if not tr.converged)
+    if stalled:
+        import warnings
+
+        from ..errors import ConvergenceWarning
+
+        warnings.warn(ConvergenceWarning(
+            f"GAMP: {stalled} of {seeds} runs stopped at max_iter = {max_iter} before the rms change of W_hat "
+            f"fell below tol = {tol:g} (converged = false); raise max_iter or damping"), stacklevel=2)
+    return out
+
+
+def summarise(model, traces: list[AMPTrace], *, den=None, settings=None, provenance_record=None) -> dict:
+    """Sign-normalise, pad to a common length and average over runs (mean, standard error)."""
+    length = max(len(tr.M) for tr in traces)
+    Ms, Qs, errs = [], [], []
+    for tr in traces:
+        s = sign_flips(model, tr.M[-1])
+        flip = s[:, None] * s[None, :]
+        Ms.append(_pad(tr.M * s[None, :, None], length))  # rows of W_hat flipped
+        Qs.append(_pad(tr.Q * flip[None], length))
+        errs.append(_pad(tr.test_error, length))
+    Ms, Qs, errs = np.array(Ms), np.array(Qs), np.array(errs)
+    k = len(traces)
+
+    def se(a):
+        return a.std(axis=0, ddof=1) / np.sqrt(k) if k > 1 else np.full(a.shape[1:], np.nan)
+
+    labels = index_labels(model)
+    out = {
+        "model": model.name,
+        "parameters": model.parameters,
+        "index_labels": labels,
+        "settings": settings or {},
+        "iterations": int(max(tr.iterations for tr in traces)),
+        "iterations_per_seed": [int(tr.iterations) for tr in traces],
+        "converged": [bool(tr.converged) for tr in traces],
+        "overlaps": {"M": Ms.mean(0), "Q": Qs.mean(0), "M_stderr": se(Ms), "Q_stderr": se(Qs)},
+        "test_error": {"mean": errs.mean(0), "stderr": se(errs)},
+        "final": {"M": Ms[:, -1].mean(0), "M_stderr": se(Ms)[-1], "Q": Qs[:, -1].mean(0),
+                  "Q_stderr": se(Qs)[-1], "test_error": errs[:, -1].mean(0), "test_error_stderr": se(errs)[-1],
+                  "M_per_seed": Ms[:, -1]},
+        "timing": {"denoiser_s": sum(tr.timing["denoiser_s"] for tr in traces),
+                   "linear_algebra_s": sum(tr.timing["linear_algebra_s"] for tr in traces),
+                   "iterations": int(sum(tr.iterations for tr in traces))},
+        "provenance": provenance_record or {},
+    }
+    if not np.all(np.isfinite(out["final"]["M"])):
+        raise AimsymError("amp", "non-finite overlaps")
+    return out

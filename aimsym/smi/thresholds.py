@@ -1,0 +1,644 @@
+"""Weak-recovery thresholds and the grand staircase (theory section 5).
+
+Stability operator on a block P of indices, around an SE overlap Q* supported on U = complement:
+
+    D_ts(y, omega) = dg_out[P, t; P, s](y, omega, V),   omega = Q*^{1/2} xi, V = I - Q*
+    F(M) = E[ sum_{t,s} D_ts M D_ts^T ]          (M symmetric |P| x |P|)
+
+At Q* = 0 (omega = 0, V = I) D_ts = E[z_t z_s^T | y] - delta_ts I = G_ts of section 5. Linearising
+the SE map in the P block gives delta Q_P -> alpha F(delta Q_P) (g_out vanishes on P at omega_P = 0
+by the sign-flip symmetry of the links this applies to), so the block is learned where
+alpha * rho(F) = 1, rho the cone spectral radius (power iteration from I / sqrt(|P|)).
+
+F is returned as an explicit matrix on an orthonormal basis of symmetric matrices (E_aa, and
+(E_ab + E_ba)/sqrt 2 for a < b), with per-entry standard errors from the QMC replicas.
+
+rho is estimated without the upward bias of "top eigenvalue of a noisy F" (docs/se.md):
+ - restricted to the block of F invariant under the link's sign-flip symmetries (exact for the
+   cone spectral radius; removes symmetry-forced degeneracies such as y = z0 z1's),
+ - cross-fitted: each replica's F_r is evaluated (Rayleigh quotient) along the top direction of
+   the other replicas' mean, independent of F_r; rho = mean over replicas,
+ - its standard error is a jackknife of that whole procedure (directions recomputed without the
+   left-out replica), which keeps the direction's dependence on the data in the error bar,
+ - at Q = 0 (alpha_c) the points are drawn from N(0, TAIL_SCALE^2) and reweighted to N(0, 1):
+   the posterior moments in F grow polynomially in |Z|, and the reweighted integrand is bounded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+from scipy.optimize import brentq
+
+from ..errors import AimsymError
+from ..provenance import provenance
+from .se import Channel, denoiser_accuracy, make_channel, state_evolution, sym
+
+
+# ----------------------------------------------------------------------------- symmetric basis
+def sym_basis(n: int) -> np.ndarray:
+    """Orthonormal (Frobenius) basis of symmetric n x n matrices: (n (n + 1) / 2, n, n)."""
+    out = []
+    for a in range(n):
+        for b in range(a, n):
+            E = np.zeros((n, n))
+            if a == b:
+                E[a, a] = 1.0
+            else:
+                E[a, b] = E[b, a] = 1.0 / np.sqrt(2.0)
+            out.append(E)
+    return np.array(out)
+
+
+def operator_matrix(D: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
+    """D: (n, T, T, k, k) blocks D_ts per sample -> mean of F in the symmetric basis (m, m);
+    ``w``: per-sample weights (importance sampling), mean of w * (...)."""
+    B = sym_basis(D.shape[-1])
+    # F(E_j) = mean_n sum_ts D E_j D^T ; entry <E_i, F(E_j)>
+    if w is None:
+        FE = np.einsum("ntsab,jbc,ntsdc->jad", D, B, D, optimize=True) / D.shape[0]
+    else:
+        FE = np.einsum("n,ntsab,jbc,ntsdc->jad", w, D, B, D, optimize=True) / D.shape[0]
+    return np.einsum("iad,jad->ij", B, FE)
+
+
+def apply(F: np.ndarray, M: np.ndarray) -> np.ndarray:
+    B = sym_basis(M.shape[0])
+    c = np.einsum("iab,ab->i", B, M)
+    return np.einsum("i,iab->ab", F @ c, B)
+
+
+def _power(F: np.ndarray, c: np.ndarray, tol: float, max_iter: int):
+    """Power iteration c <- F c / |F c| on basis coefficients (|c| = ||M||_F: the basis is orthonormal)."""
+    rho = 0.0
+    for _ in range(max_iter):
+        Fc = F @ c
+        nrm = float(np.linalg.norm(Fc))
+        if not np.isfinite(nrm):
+            raise AimsymError("operator", "non-finite entries; raise samples or nodes")
+        if nrm == 0.0:
+            return 0.0, c
+        c_new = Fc / nrm
+        done = np.linalg.norm(c_new - c) < tol
+        c, rho = c_new, nrm
+        if done:
+            break
+    return rho, c
+
+
+def cone_spectral_radius(F: np.ndarray, n: int, *, tol: float = 1e-13, max_iter: int = 20000):
+    """Power iteration M <- F(M)/||F(M)||_F from I/sqrt(n): (rho, maximising M)."""
+    B = sym_basis(n)
+    rho, c = _power(F, np.einsum("iab,ab->i", B, np.eye(n) / np.sqrt(n)), tol, max_iter)
+    return rho, np.einsum("i,iab->ab", c, B)
+
+
+# ----------------------------------------------------------------------------- symmetries
+_SYMMETRIES: dict[int, tuple] = {}
+
+
+def sign_symmetries(model, *, checks: int = 64) -> list[np.ndarray]:
+    """Sign patterns s (one +-1 per index, not all +1) with link(diag(s) Z) = +-link(Z), checked on
+    ``checks`` random Z. Then the posterior given y of diag(s) Z is that of Z given +-y (noise is
+    symmetric), so F commutes with M -> S M S. Subsets of up to 8 indices (single flips beyond)."""
+    hit = _SYMMETRIES.get(id(model))
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    p, T = model.p, model.tokens
+    Z = np.random.default_rng(20240).standard_normal((checks, p, T))
+    pats = itertools.product((1.0, -1.0), repeat=p) if p <= 8 else (1 - 2 * np.eye(p))
+    out = []
+    try:
+        with np.errstate(all="ignore"):
+            y = np.asarray(model.link(Z), dtype=float)
+            for s in pats:
+                s = np.asarray(s, dtype=float)
+                if np.all(s == 1):
+                    continue
+                ys = np.asarray(model.link(Z * s[:, None]), dtype=float)
+                if np.all(np.isfinite(y)) and (np.allclose(ys, y, rtol=1e-10, atol=1e-12)
+                                               or np.allclose(ys, -y, rtol=1e-10, atol=1e-12)):
+                    out.append(s)
+    except Exception:  # a link that cannot be evaluated on plain arrays: no symmetry assumed
+        out = []
+    _SYMMETRIES[id(model)] = (model, out)
+    return out
+
+
+def invariant_indices(k: int, signs) -> list[int]:
+    """Indices of :func:`sym_basis` (k) elements E_ab with s_a s_b = 1 for every sign pattern s."""
+    idx, i = [], 0
+    for a in range(k):
+        for b in range(a, k):
+            if all(s[a] * s[b] > 0 for s in signs):
+                idx.append(i)
+            i += 1
+    return idx
+
+
+# ----------------------------------------------------------------------------- estimator
+def _top_vector(F: np.ndarray) -> np.ndarray:
+    # F is self-adjoint (G_ts^T = G_st); its largest eigenvalue is the cone spectral radius
+    # (Krein-Rutman), and the Rayleigh quotient needs no PSD representative of a degenerate space
+    return np.linalg.eigh(sym(F))[1][:, -1]
+
+
+def _cross_fit(Fr: np.ndarray) -> np.ndarray:
+    """Rayleigh quotient of each replica's F_r along the top vector of the other replicas' mean."""
+    R = Fr.shape[0]
+    S = Fr.sum(axis=0)
+    out = np.empty(R)
+    for r in range(R):
+        v = _top_vector((S - Fr[r]) / (R - 1))
+        out[r] = v @ Fr[r] @ v
+    return out
+
+
+def cross_fitted_rho(Fr: np.ndarray) -> tuple[float, np.ndarray]:
+    """(rho, rho_loo): the cross-fitted estimate and its leave-one-replica-out values (the whole
+    procedure redone on R - 1 replicas, directions included) for the jackknife."""
+    R = Fr.shape[0]
+    if R < 3:
+        raise AimsymError("replicas", f"the cross-fitted operator estimate needs at least 3 replicas, got {R}")
+    rho = float(_cross_fit(Fr).mean())
+    loo = np.array([_cross_fit(np.delete(Fr, j, axis=0)).mean() for j in range(R)])
+    return rho, loo
+
+
+# ----------------------------------------------------------------------------- evaluation
+def operator_blocks(ch: Channel, Q: np.ndarray, block, denoised=None) -> np.ndarray:
+    """D_ts on ``block`` at SE overlap Q for every point: (R, n, T, T, k, k). ``denoised``: the
+    result of ``ch.denoise(Q)`` if already computed."""
+    out, R, n = denoised if denoised is not None else ch.denoise(Q)
+    P = np.asarray(block)
+    dg = out.dg_out[:, P][:, :, :, P]  # (N, k, T, k, T)
+    D = np.transpose(dg, (0, 2, 4, 1, 3))  # (N, t, s, k, k')
+    if not np.all(np.isfinite(D)):
+        raise AimsymError("operator", "denoiser returned non-finite dg_out; raise nodes")
+    return D.reshape(R, n, *D.shape[1:])
+
+
+def operator(ch: Channel, Q: np.ndarray, block, denoised=None, weights=None) -> dict:
+    """F (mean, stderr per entry), rho (cross-fitted on the sign-symmetric block) with jackknife
+    stderr, direction; ``rho_loo``: its leave-one-replica-out values (for jackknifing derived
+    quantities). ``weights`` (R, n): importance weights of the points (see :func:`initial_threshold`).
+    The symmetries are those of the link at Q diagonal (sign flips commute with a diagonal Q)."""
+    D = operator_blocks(ch, Q, block, denoised)
+    R, k = D.shape[0], D.shape[-1]
+    Fr = np.stack([operator_matrix(D[r], None if weights is None else weights[r]) for r in range(R)])
+    F = Fr.mean(axis=0)
+    diagonal = np.allclose(Q, np.diag(np.diag(Q)))
+    signs = [s[list(block)] for s in sign_symmetries(ch.model)] if diagonal else []
+    keep = invariant_indices(k, signs)
+    Fk = Fr[:, keep][:, :, keep]
+    rho, loo = cross_fitted_rho(Fk)
+    # reported direction: cone power iteration of the mean on the invariant block, from I (invariant)
+    B = sym_basis(k)
+    c0 = np.einsum("iab,ab->i", B, np.eye(k) / np.sqrt(k))[keep]
+    _, c = _power(F[np.ix_(keep, keep)], c0, 1e-13, 20000)
+    M = np.einsum("i,iab->ab", c, B[keep])
+    return {"F": F, "F_stderr": Fr.std(axis=0, ddof=1) / np.sqrt(R), "rho": rho,
+            "rho_stderr": jackknife_stderr(loo), "rho_loo": loo, "direction": M, "block": [int(i) for i in block],
+            "invariant_block": [int(i) for i in keep]}
+
+
+def jackknife_stderr(loo: np.ndarray) -> float:
+    """Standard error from leave-one-out values."""
+    R = len(loo)
+    return float(np.sqrt((R - 1) / R * np.sum((loo - loo.mean()) ** 2)))
+
+
+def direction_support(M: np.ndarray, block, rel: float = 0.05) -> list[int]:
+    """Indices of ``block`` where the maximising direction has weight (diagonal > rel * max)."""
+    d = np.abs(np.diag(M))
+    return [int(block[i]) for i in np.flatnonzero(d > rel * d.max())]
+
+
+# Points of the Q = 0 operator are drawn from N(0, TAIL_SCALE^2) per entry of Z and reweighted:
+# posterior second moments grow polynomially in |Z|, so plain normal points leave a heavy-tailed,
+# skewed replica mean (phase retrieval, 8 replicas: z-scores of mean 0.47, sd 1.6 over 200 seeds;
+# at 1.5: docs/se.md). The weights' own spread grows like 1.2^(p T): fine up to p T ~ 8.
+TAIL_SCALE = 1.5
+
+
+def tail_scaled(ch: Channel, scale: float) -> tuple[Channel, np.ndarray]:
+    """At Q = 0, Z = eta: the channel with eta scaled by ``scale`` and the weights (R, n) that take
+    the scaled law back to N(0, I) (phi(x) / (phi(x / s) / s) per entry)."""
+    p, T = ch.p, ch.T
+    pts = ch.points.copy()
+    e = pts[..., p * T: 2 * p * T] * scale
+    pts[..., p * T: 2 * p * T] = e
+    logw = e.shape[-1] * np.log(scale) - 0.5 * (1.0 - scale**-2) * np.sum(e * e, axis=-1)
+    return Channel(ch.model, ch.den, pts), np.exp(logw)
+
+
+# Denoiser nodes of the Q = 0 operator (one pass, so cheap) where the SE default biases alpha_c
+# beyond its reweighted QMC error: 1-D, y = z0 z1, same points, against the closed-form denoiser:
+# 40 nodes +1.0e-4 (1.2 stderr; +2.8e-4 without the SE's error control), 120: +1.4e-7.
+THRESHOLD_NODES = {1: 120}
+
+
+def _threshold_denoiser(model, ch: Channel) -> Channel:
+    dim = int(model.kernels.INTEGRAL_DIM) if hasattr(model, "kernels") else 0
+    if dim not in THRESHOLD_NODES:
+        return ch
+    return Channel(ch.model, model.denoiser(**denoiser_accuracy(model, THRESHOLD_NODES[dim])), ch.points)
+
+
+def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=None, seed=0,
+                      channel: Channel | None = None, tail_scale: float = TAIL_SCALE) -> dict:
+    """alpha_c = 1/rho(F) at Q = 0 (omega = 0, V = I) on all indices (points scaled by ``tail_scale``
+    and reweighted; 1: plain normal points). ``nodes`` None: THRESHOLD_NODES where set (also
+    replacing a given ``channel``'s denoiser), else the SE default."""
+    ch = channel or make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
+    if nodes is None:
+        ch = _threshold_denoiser(model, ch)
+    p = model.p
+    weights = None
+    if tail_scale != 1.0:
+        ch, weights = tail_scaled(ch, tail_scale)
+    op = operator(ch, np.zeros((p, p)), list(range(p)), weights=weights)
+    th = _as_threshold(op, alpha_factor=1.0)
+    th["tail_scale"] = float(tail_scale)
+    return th
+
+
+def _as_threshold(op: dict, alpha_factor: float) -> dict:
+    rho, se = op["rho"], op["rho_stderr"]
+    alpha = 1.0 / rho if rho > 0 else float("inf")
+    return {"alpha": alpha, "stderr": se / rho**2 if rho > 0 else float("inf"), "rho": rho, "rho_stderr": se,
+            "direction": op["direction"], "subspace": direction_support(op["direction"], op["block"]),
+            "F": op["F"], "F_stderr": op["F_stderr"]}
+
+
+# ----------------------------------------------------------------------------- staircase
+def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se: Channel,
+                   alpha_max: float = 20.0, xtol: float = 1e-4) -> dict:
+    """Smallest alpha > alpha_start with alpha * rho(F_P(Q*_U(alpha))) = 1, U = learned, P = rest.
+
+    Q*_U(alpha) is the SE fixed point restricted to U (uninformed start, warm-started along alpha).
+    """
+    p = model.p
+    P = [i for i in range(p) if i not in learned]
+    cache: dict[float, dict] = {}
+
+    def evaluate(alpha):
+        if alpha in cache:
+            return cache[alpha]
+        # warm start from the branch *below* alpha only (the uninformed branch continued upwards);
+        # a start from a larger alpha could land on an informed branch (e.g. Q*_U -> I)
+        below = [a for a in cache if a < alpha]
+        if below:
+            init = cache[max(below)]["Q"] + 1e-4 * np.diag(np.isin(np.arange(p), learned))  # keep it alive
+        else:
+            init = "uninformed"
+        se = state_evolution(model, alpha, init=init, restrict=learned, channel=ch_se, errors=False,
+                             tol=1e-5, init_eps=1e-3)
+        op = operator(ch_op, se.Q, P)
+        cache[alpha] = {"op": op, "Q": se.Q, "f": alpha * op["rho"] - 1.0}
+        return cache[alpha]
+
+    # Bracket upwards in steps of 15 %. The point right after the previous threshold is evaluated
+    # only when the first step is already unstable: there the restricted SE is critically slow
+    # (hundreds of iterations), and it is needed only to tell "unstable at once" from a root
+    # inside the first step.
+    lo, hi = alpha_start * 1.0001, None
+    a_first = lo * 1.15
+    if a_first > alpha_max:
+        raise AimsymError("alpha", f"no further threshold below alpha_max = {alpha_max} for block {P}")
+    if evaluate(a_first)["f"] >= 0:
+        hi = lo if evaluate(lo)["f"] >= 0 else a_first  # already unstable right after the previous threshold
+    a = a_first
+    while hi is None:
+        a_next = a * 1.15
+        if a_next > alpha_max:
+            raise AimsymError("alpha", f"no further threshold below alpha_max = {alpha_max} for block {P}")
+        if evaluate(a_next)["f"] >= 0:
+            lo, hi = a, a_next
+        a = a_next
+    root = lo if hi == lo else brentq(lambda x: evaluate(x)["f"], lo, hi, xtol=xtol)
+    ev = evaluate(root)
+    # stderr: QMC error of rho propagated through the slope of alpha * rho(alpha)
+    a2 = root * 1.01
+    slope = (evaluate(a2)["f"] - ev["f"]) / (a2 - root)
+    stderr = root * ev["op"]["rho_stderr"] / max(slope, 1e-12)
+    th = _as_threshold(ev["op"], 1.0)
+    th.update(alpha=float(root), stderr=float(stderr), Q_branch=ev["Q"], jump=False)
+    # The branch Q*_U(alpha) can jump to perfect recovery of U (Q*_U -> I, a first-order
+    # transition of the restricted SE). Across the jump alpha * rho jumps from < 1 to > 1 (the
+    # degenerate "U perfectly learned" operator of theory section 5), so the root sits at the
+    # jump: the linear-stability direction there is meaningless and every index of P becomes
+    # learnable at once. Flag it; subspace = P; stderr = the bracket of the jump.
+    a1 = root * 0.99
+    q_lo = float(np.max(np.diag(evaluate(a1)["Q"])[list(learned)]))
+    q_hi = float(np.max(np.diag(evaluate(a2)["Q"])[list(learned)]))
+    if q_hi > 1 - 1e-6 and q_lo < 1 - 1e-3:
+        th.update(jump=True, subspace=list(P), stderr=float(a2 - a1) / 2,
+                  direction=np.eye(len(P)) / np.sqrt(len(P)))
+    return th
+
+
+# ----------------------------------------------------------------------------- scalar branch
+# When the learned block U is a single index k (the last layer of the attention models), the
+# restricted SE is scalar: q = a e(q) / (1 + a e(q)), e(q) = E[sum_t g_out[k, t]^2] at
+# Q = q e_k e_k^T, and e(q) does not depend on alpha. So q is a fixed point exactly at
+#
+#     alpha(q) = q / ((1 - q) e(q)),
+#
+# and the branch is parametric in q: no SE iteration. An uninformed start grows until the first q
+# with alpha(q) >= alpha (the map is increasing in q), so the branch is the set of records (running
+# maxima) of alpha(q) from q = 0+; a local maximum followed by a dip is a first-order jump of the
+# branch. One denoiser pass at Q gives both alpha(q) and the stability operator on the rest P.
+
+BRANCH_S0 = 0.05  # first point of the walk in s = -log(1 - q) (q = 0.049)
+BRANCH_STEP = 0.4  # step in s (1 - q shrinks by a factor 0.67 per step)
+BRANCH_S_MAX = 9.2  # last point: 1 - q = 1e-4
+
+
+def branch_point(ch: Channel, k: int, P, q: float) -> dict:
+    """alpha(q) of the scalar restricted branch and the operator on P at Q = q e_k e_k^T, with their
+    leave-one-replica-out values; f = alpha rho - 1 (>= 0: P is unstable on the branch at q)."""
+    p = ch.p
+    Q = np.zeros((p, p))
+    Q[k, k] = q
+    den = ch.denoise(Q)
+    out, R, n = den
+    g = out.g_out.reshape(R, n, p, ch.T)[:, :, k]
+    e_r = np.einsum("rnt,rnt->r", g, g) / n
+    if not (np.all(np.isfinite(e_r)) and np.all(e_r > 0)):
+        raise AimsymError("Q_hat", f"E[g_out^2] on the learned index is not finite and positive at q = {q:.6g}; "
+                                   "raise nodes or samples")
+    e_loo = (e_r.sum() - e_r) / (R - 1)
+    op = operator(ch, Q, P, den)
+    a = q / ((1.0 - q) * e_r.mean())
+    a_loo = q / ((1.0 - q) * e_loo)
+    return {"q": q, "alpha": float(a), "alpha_loo": a_loo, "op": op, "f": float(a * op["rho"] - 1.0),
+            "f_loo": a_loo * op["rho_loo"] - 1.0, "Q": Q}
+
+
+def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alpha_max: float = 20.0,
+                          xtol: float = 1e-4) -> dict:
+    """Like :func:`next_threshold` for a single learned index k, from the parametric branch alpha(q):
+    walk the records of alpha(q) upwards in s = -log(1 - q) and stop at the first point where
+    alpha rho(F_P) >= 1; the root is refined by brentq in s (continuous branch), or sits at a jump
+    of the branch (flagged ``jump``: at the local maximum of alpha(q), to the q where alpha(q)
+    returns to that value, or to perfect recovery q -> 1 if it never does)."""
+    P = [i for i in range(model.p) if i != k]
+    cache: dict[float, dict] = {}
+
+    def at(s):
+        s = float(s)
+        if s not in cache:
+            cache[s] = branch_point(ch, k, P, -np.expm1(-s))
+        return cache[s]
+
+    def too_far(pt):
+        if pt["alpha"] > alpha_max:
+            raise AimsymError("alpha", f"no further threshold below alpha_max = {alpha_max} for block {P}")
+
+    def local_max(lo, hi):
+        from scipy.optimize import minimize_scalar
+
+        r = minimize_scalar(lambda s: -at(s)["alpha"], bounds=(lo, hi), method="bounded",
+                            options={"xatol": 1e-3})
+        best = max((s for s in cache if lo <= s <= hi), key=lambda s: cache[s]["alpha"])
+        return best if cache[best]["alpha"] >= -r.fun else float(r.x)
+
+    def jump(s_a, s_b):
+        """Threshold at the jump of the branch from its local maximum s_a to s_b (None: to q = 1)."""
+        a, b = at(s_a), (at(s_b) if s_b is not None else None)
+        th = _as_threshold(b["op"] if b is not None else a["op"], 1.0)
+        th.update(alpha=a["alpha"], stderr=jackknife_stderr(a["alpha_loo"]), jump=True, subspace=list(P),
+                  direction=np.eye(len(P)) / np.sqrt(len(P)),
+                  Q_branch=(b["Q"] if b is not None else np.diag(np.eye(model.p)[k])), q_before=a["q"],
+                  q_after=(b["q"] if b is not None else 1.0), method="parametric branch")
+        return th
+
+    def root(lo, hi):
+        """Continuous root of f in [lo, hi] (f(lo) < 0 <= f(hi)), jackknifed."""
+        s_root = brentq(lambda x: at(x)["f"], lo, hi, xtol=xtol)
+        r = at(s_root)
+        s2 = s_root + 0.05
+        r2 = at(s2)
+        # per leave-one-out replica set, the root of the linearised f and alpha there
+        slope = (r2["f_loo"] - r["f_loo"]) / (s2 - s_root)
+        s_loo = s_root - r["f_loo"] / np.where(slope > 0, slope, np.inf)
+        a_loo = r["alpha_loo"] + (r2["alpha_loo"] - r["alpha_loo"]) / (s2 - s_root) * (s_loo - s_root)
+        th = _as_threshold(r["op"], 1.0)
+        th.update(alpha=r["alpha"], stderr=jackknife_stderr(a_loo), jump=False, Q_branch=r["Q"], q_before=r["q"],
+                  q_after=r["q"], method="parametric branch")
+        return th
+
+    # walk: amax = running maximum of alpha(q) (the branch's alpha so far); lo = last branch point
+    # with f < 0; dip = s of the last record before alpha(q) fell below amax (None on the branch)
+    amax, lo, dip, s_prev = alpha_start, None, None, None
+    s = BRANCH_S0
+    while s <= BRANCH_S_MAX + 1e-12:
+        pt = at(s)
+        if dip is not None and pt["alpha"] >= amax:
+            # back above the old maximum: the branch jumped at the local maximum of alpha(q) near dip
+            s_a = local_max(max(dip - BRANCH_STEP, BRANCH_S0), min(dip + BRANCH_STEP, s))
+            amax = max(amax, at(s_a)["alpha"])
+            if pt["alpha"] >= amax:
+                s_b = brentq(lambda x: at(x)["alpha"] - amax, s_prev, s, xtol=xtol)
+                if amax * at(s_b)["op"]["rho"] - 1.0 >= 0:
+                    return jump(s_a, s_b)
+                lo, dip = s_b, None
+        if dip is None and pt["alpha"] >= amax:  # on the branch
+            too_far(pt)
+            if pt["f"] >= 0:
+                if lo is None:  # unstable already at the first point: the root lies below it
+                    lo = 1e-3
+                    if at(lo)["f"] >= 0:
+                        raise AimsymError("alpha", f"the block {P} is unstable right after alpha = {alpha_start}")
+                return root(lo, s)
+            lo, amax = s, pt["alpha"]
+        elif dip is None:
+            dip = lo if lo is not None else s
+        s_prev, s = s, s + BRANCH_STEP
+    if dip is not None:  # never returns above its maximum: the branch jumps to perfect recovery of k
+        return jump(local_max(max(dip - BRANCH_STEP, BRANCH_S0), min(dip + BRANCH_STEP, BRANCH_S_MAX)), None)
+    raise AimsymError("alpha", f"the branch reaches q = {1 - np.exp(-BRANCH_S_MAX):.4f} on index {k} with "
+                               f"alpha rho < 1 on {P}: no threshold located")
+
+
+# Replicas of the staircase operator points. At 2^13 points, 32 replicas of 256 give the same
+# spread of the layer-1 root of the two-layer model as 8 of 1024 (sd 0.0051 vs 0.0056 over 40
+# seeds: short replicas lose no QMC accuracy on this heavy-tailed integrand) but a ± that holds:
+# z-scores about the seed mean have sd 0.99 (max |z| 2.3) against 1.37 (max 3.9) with 8.
+STAIR_REPLICAS = 32
+
+
+def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14, replicas: int = 8,
+              se_samples: int = 2048, nodes=None, seed=0, parametric: bool = True,
+              op_replicas: int = STAIR_REPLICAS) -> list[dict]:
+    """Ordered list of the next thresholds after ``first`` is learned at alpha_c. A single learned
+    index uses the parametric branch (:func:`next_threshold_branch`, operator points only) unless
+    ``parametric`` is False; larger learned blocks iterate the restricted SE (``se_samples``,
+    ``replicas``). The operator points have ``op_replicas`` replicas (fewer if ``samples`` is small)."""
+    op_replicas = max(3, min(op_replicas, samples // 32))  # keep >= 32 points per replica
+    ch_op = make_channel(model, samples=samples, replicas=op_replicas, seed=seed + 1, nodes=nodes)
+    ch_se = None  # only the iterated restricted SE needs its own points
+    learned, alpha, steps = list(first), alpha_c, []
+    while len(learned) < model.p:
+        if len(learned) == 1 and parametric:
+            th = next_threshold_branch(model, learned[0], alpha, ch=ch_op)
+        else:
+            ch_se = ch_se or make_channel(model, samples=se_samples, replicas=replicas, seed=seed + 2, nodes=nodes)
+            th = next_threshold(model, learned, alpha, ch_op=ch_op, ch_se=ch_se)
+        sub = th["subspace"] or [i for i in range(model.p) if i not in learned]
+        steps.append({"subspace": sub, "alpha": th["alpha"], "stderr": th["stderr"], "jump": th["jump"],
+                      "method": th.get("method", "restricted SE"),
+                      "direction": th["direction"], "rho": th["rho"], "Q_branch": th["Q_branch"],
+                      "replicas": op_replicas})
+        learned, alpha = sorted(set(learned) | set(sub)), th["alpha"]
+    return steps
+
+
+# ----------------------------------------------------------------------------- second method
+def threshold_by_side_information(model, *, lo: float, hi: float, block=None, learned=None, lam: float = 1e-8,
+                                  level: float = 1e-4, samples: int = 8192, replicas: int = 8, nodes=None,
+                                  seed=0, xtol: float = 2e-4) -> dict:
+    """Bisection in alpha for where the SE overlap on ``block`` (tiny side information lam there)
+    leaves zero: max diag Q_block > level. ``learned``: indices started informed-ish (1e-3),
+    the others at 0. Returns alpha, bracket and the QMC stderr of the SE's own operator."""
+    p = model.p
+    block = list(range(p)) if block is None else list(block)
+    ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
+    init = np.diag([1e-3 if learned and i in learned else 0.0 for i in range(p)])
+
+    def learned_at(alpha):
+        r = state_evolution(model, alpha, init=init, side_info=lam, side_block=block, channel=ch,
+                            errors=False, tol=1e-6, max_iter=2000,
+                            stop=lambda Q: float(np.max(np.diag(Q)[block])) > level)
+        return float(np.max(np.diag(r.Q)[block])) > level
+
+    if learned_at(lo) or not learned_at(hi):
+        raise AimsymError("alpha", f"bracket [{lo}, {hi}] does not contain the threshold")
+    while hi - lo > xtol:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if learned_at(mid) else (mid, hi)
+    return {"alpha": 0.5 * (lo + hi), "bracket": [lo, hi], "lam": lam, "level": level,
+            "samples": samples}
+
+
+# ----------------------------------------------------------------------------- report
+def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=None, seed=0,
+                     staircase_steps: bool = True, staircase: bool | None = None, se_samples: int = 2048,
+                     check: bool = False, perfect: bool = True, pr_samples: int = 1024) -> dict:
+    """alpha_c, the staircase and (``perfect``) the perfect-recovery transition
+    (:func:`aimsym.smi.perfect.perfect_recovery` on ``pr_samples`` SE points)."""
+    t0 = time.perf_counter()
+    do_stairs = staircase_steps if staircase is None else staircase
+    ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
+    ini = initial_threshold(model, channel=ch, nodes=nodes)
+    rep = {"initial": {k: ini[k] for k in ("alpha", "stderr", "rho", "rho_stderr", "direction", "subspace",
+                                            "F", "F_stderr")}}
+    steps = [{"subspace": ini["subspace"], "alpha": ini["alpha"], "stderr": ini["stderr"]}]
+    if do_stairs and len(ini["subspace"]) < model.p and np.isfinite(ini["alpha"]):
+        steps += _staircase(model, ini["alpha"], ini["subspace"], samples=max(samples // 4, 1024),
+                            replicas=replicas, se_samples=se_samples, nodes=nodes, seed=seed)
+    rep["staircase"] = steps
+    if check and np.isfinite(ini["alpha"]):
+        a = ini["alpha"]
+        rep["check"] = threshold_by_side_information(model, lo=0.8 * a, hi=1.25 * a, nodes=nodes, seed=seed + 7)
+    if perfect:
+        from .perfect import perfect_recovery
+
+        rep["perfect_recovery"] = perfect_recovery(model, samples=pr_samples, replicas=replicas, seed=seed,
+                                                   nodes=nodes)
+    accuracy = {**ch.den.accuracy, "samples": samples, "replicas": replicas, "se_samples": se_samples,
+                "pr_samples": pr_samples if perfect else None, "rule": "scrambled Sobol (randomised QMC)"}
+    rep["accuracy"] = accuracy
+    rep["seconds"] = time.perf_counter() - t0
+    rep["provenance"] = provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,
+                                   parameters=dict(model.parameters))
+    return rep
+
+
+_staircase = staircase
+
+
+# ----------------------------------------------------------------------------- phase diagram
+# At skip c = 0 the first-layer mixing matrix softmax(z1 z1^T) of the T = 2 model is exactly
+# singular on the line z1_0 = z1_1, which the symmetric Gauss-Hermite grid of the denoiser hits
+# node for node (division by zero in the generated kernel). The integrand's limit there is 0, and
+# the thresholds are continuous in c -> 0+, so c = 0 is evaluated at c = SKIP_FLOOR (recorded).
+SKIP_FLOOR = 1e-6
+
+
+def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, replicas: int = 8,
+                stair_samples: int = 1 << 13, se_samples: int = 1024, seed: int = 0, nodes=None,
+                stair_nodes=None, staircase: bool = True, perfect: bool = False, pr_samples: int = 1024) -> dict:
+    """alpha_c and the staircase thresholds of one model at ``name = value`` (one phase-diagram
+    point); ``perfect``: also where the uninformed SE reaches Q = I (:mod:`aimsym.smi.perfect`)."""
+    from ..model import load
+
+    t0 = time.perf_counter()
+    used = float(value)
+    note = None
+    if name == "skip" and abs(used) < SKIP_FLOOR:
+        used, note = SKIP_FLOOR, f"skip {value} evaluated at {SKIP_FLOOR} (mixing matrix singular on z1_0 = z1_1)"
+    model = load(model_path, **{name: used})
+    n_ini = nodes
+    n_st = stair_nodes if stair_nodes is not None else n_ini
+    ini = initial_threshold(model, samples=samples, replicas=replicas, nodes=n_ini, seed=seed)
+    steps = [{"subspace": ini["subspace"], "alpha": ini["alpha"], "stderr": ini["stderr"]}]
+    if staircase and len(ini["subspace"]) < model.p and np.isfinite(ini["alpha"]):
+        for s in _staircase(model, ini["alpha"], ini["subspace"], samples=stair_samples, replicas=replicas,
+                            se_samples=se_samples, nodes=n_st, seed=seed):
+            steps.append({k: s[k] for k in ("subspace", "alpha", "stderr", "jump", "method")})
+    pr = None
+    if perfect:
+        from .perfect import perfect_recovery
+
+        full = perfect_recovery(model, samples=pr_samples, replicas=replicas, seed=seed, nodes=n_st)
+        pr = {k: full.get(k) for k in ("alpha", "stderr", "kind", "counting_alpha", "local_alpha",
+                                       "local_alpha_stderr", "trace_Pi", "trace_Pi_stderr", "m")}
+    accuracy = {"samples": samples, "stair_samples": stair_samples, "se_samples": se_samples,
+                "replicas": replicas, "nodes_initial": n_ini, "nodes_staircase": n_st,
+                "pr_samples": pr_samples if perfect else None, "rule": "scrambled Sobol (randomised QMC)"}
+    return {name: float(value), "evaluated_at": used, "note": note, "staircase": steps, "perfect_recovery": pr,
+            "direction": ini["direction"].tolist(), "seconds": time.perf_counter() - t0,
+            "provenance": provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,
+                                     parameters=dict(model.parameters))}
+
+
+def phase_diagram(model_path, name: str, values, *, workers=None, progress: bool = False, **kw) -> dict:
+    """:func:`phase_point` at every value, in a local (spawned) process pool; sorted by value."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    t0 = time.perf_counter()
+    values = [float(v) for v in values]
+    if not values:
+        raise AimsymError("--over", "needs at least one value")
+    if workers == 1:
+        pts = [phase_point(model_path, name, v, **kw) for v in values]
+    else:
+        from tqdm.auto import tqdm
+
+        pts = []
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+            futs = [ex.submit(phase_point, str(model_path), name, v, **kw) for v in values]
+            for f in tqdm(as_completed(futs), total=len(futs), desc="phase diagram", disable=not progress):
+                pts.append(f.result())
+    pts.sort(key=lambda d: d[name])
+    return {"model": str(model_path), "parameter": name, "points": pts, "seconds": time.perf_counter() - t0}
+
+
+def phase_rows(pd: dict) -> list[dict]:
+    """Flatten a :func:`phase_diagram` result to plot rows {"skip", "alpha", "stderr", "step"}."""
+    name = pd["parameter"]
+    rows = [{"skip": pt[name], "alpha": s["alpha"], "stderr": s["stderr"], "step": i,
+             "subspace": s["subspace"], "jump": bool(s.get("jump", False))}
+            for pt in pd["points"] for i, s in enumerate(pt["staircase"])]
+    # the perfect-recovery transition as one more curve, after the staircase's steps
+    last = max((r["step"] for r in rows), default=-1) + 1
+    rows += [{"skip": pt[name], "alpha": pr["alpha"], "stderr": pr["stderr"], "step": last, "subspace": None,
+              "jump": pr["kind"] == "jump", "perfect": True}
+             for pt in pd["points"] if (pr := pt.get("perfect_recovery")) and pr.get("alpha") is not None
+             and np.isfinite(pr["alpha"])]
+    return rows

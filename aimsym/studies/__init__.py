@@ -1,0 +1,1 @@
+"""Studies: sweeps over a grid, the resumable result store."""
