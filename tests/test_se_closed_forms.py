@@ -160,3 +160,18 @@ def test_sign_channel_converges_to_its_closed_form(alpha):
     assert res.converged and "stalled" in res.accuracy["convergence"]
     q = _sign_fixed_point(alpha)
     assert abs(res.Q[0, 0] - q) < 3 * res.Q_stderr[0, 0] + 1e-4, (res.Q[0, 0], q, res.Q_stderr[0, 0])
+
+
+def test_quadrature_share_scales_with_the_per_sample_estimates():
+    """The quadrature bound on Q_hat's diagonal is linear in the denoiser's estimates and is
+    compared with Q_hat's replica standard error; an entry that vanishes by symmetry is ignored."""
+    rng = np.random.default_rng(0)
+    R, n, p, T = 8, 64, 2, 2
+    g = rng.standard_normal((R, n, p, T))
+    g[:, :, 0] *= 1e-14  # a layer at Q = 0: g vanishes by its sign symmetry
+    Q_hat_r = 0.5 * np.einsum("rnkt,rnlt->rkl", g, g) / n
+    small = se.quadrature_share(g, np.full(R * n, 1e-8), 0.5, Q_hat_r)
+    large = se.quadrature_share(g, np.full(R * n, 1e-1), 0.5, Q_hat_r)
+    assert large["quadrature_Q_hat_bound"] == pytest.approx(1e7 * small["quadrature_Q_hat_bound"])
+    assert small["quadrature_to_statistical"] < 1e-4 < 1 < large["quadrature_to_statistical"]
+    assert se.quadrature_share(g, None, 0.5, Q_hat_r)["quadrature_to_statistical"] is None

@@ -317,7 +317,8 @@ def se_map(ch: Channel, Q: np.ndarray, alpha: float, *, diagnostics: bool = Fals
         return sym(Q_hat_r), psi_r
     dg = out.dg_out.reshape(R, n, ch.p, ch.T, ch.p, ch.T)
     return sym(Q_hat_r), psi_r, {**nishimori_residual(gg_r, np.einsum("rnktlt->rkl", dg) / n),
-                                 **quadrature_summary(out, ch.used or ch.den)}
+                                 **quadrature_summary(out, ch.used or ch.den),
+                                 **quadrature_share(g, getattr(out, "error", None), alpha, Q_hat_r)}
 
 
 def nishimori_residual(gg_r: np.ndarray, dg_r: np.ndarray) -> dict:
@@ -343,6 +344,24 @@ def quadrature_summary(out, den) -> dict:
     return {"quadrature_error_max": float(np.max(err)), "quadrature_error_median": float(np.median(err)),
             "quadrature_tol": tol, "quadrature_missed": missed,
             "quadrature_note": (f"{missed} of {err.size} samples above tol" if missed else "every sample within tol")}
+
+
+def quadrature_share(g: np.ndarray, err, alpha: float, Q_hat_r: np.ndarray) -> dict:
+    """First-order bound of the quadrature error of the diagonal of Q_hat = alpha E[sum_t g g^T]
+    from the per-sample estimates (relative to max(1, |g|)), against its replica standard error:
+    their largest ratio is ``quadrature_to_statistical`` (> 1: the quadrature error dominates)."""
+    if err is None:
+        return {"quadrature_Q_hat_bound": None, "quadrature_to_statistical": None}
+    R, n = g.shape[:2]
+    err = np.asarray(err, dtype=float).reshape(R, n)
+    dg = err * np.maximum(1.0, np.abs(g).max(axis=(2, 3)))  # (R, n) absolute error of each g entry
+    a = np.abs(g).sum(axis=3)  # (R, n, p): sum_t |g_kt|
+    bound = 2.0 * alpha * np.einsum("rn,rnk->k", dg, a) / (R * n)  # diagonal entries Q_hat_kk
+    se_hat = np.diag(mean_and_stderr(Q_hat_r)[1])
+    # (entries that vanish by a symmetry, e.g. a layer not yet learned, carry rounding-level
+    # errors on both sides: measured against a floor at 1e-6 of the largest stderr)
+    ratio = bound / np.maximum(se_hat, 1e-6 * se_hat.max() + 1e-300)
+    return {"quadrature_Q_hat_bound": float(bound.max()), "quadrature_to_statistical": float(ratio.max())}
 
 
 def _check_finite(x, what):
@@ -621,6 +640,11 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
         Q_se, response = fixed_point_stderr(resp, Q_r)
     else:
         (_, Q_se), response = mean_and_stderr(Q_r), None
+    # the quadrature error folded in (conservatively, by its largest share of Q_hat's stderr)
+    share = diag.get("quadrature_to_statistical") or 0.0
+    Q_se = Q_se * np.sqrt(1.0 + share**2)
+    if share > 1.0:
+        diag["quadrature_note"] += "; the quadrature error dominates the statistical error"
     phi_r = np.array([free_entropy(Q_fp, Q_hat, alpha, s) for s in psi_r])
     phi, phi_se = mean_and_stderr(phi_r)
     errs = layer_errors(Q_fp, Q_se, mask)
@@ -636,7 +660,8 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
                                             f"standard error (discrete outputs); Q is the mean of the cycle" if stalled
                                             else "relative to min(Q_kk, 1 - Q_kk)"),
                 "perfect_resolution": PERFECT_RESOLUTION, "damping": damping, "max_iter": max_iter,
-                "Q_stderr": "replica error of the fixed point: one step's spread amplified by (I - J)^{-1}",
+                "Q_stderr": "replica error of the fixed point: one step's spread amplified by (I - J)^{-1}, times "
+                            "sqrt(1 + s^2), s = diagnostics.quadrature_to_statistical",
                 "amplification": response, "distance_to_fixed_point": distance}
     return SEResult(
         alpha=alpha, Q=Q_fp, Q_stderr=Q_se, Q_hat=Q_hat, Q_hat_stderr=Q_hat_se, errors=errs,
