@@ -382,6 +382,27 @@ def _log_mix(b, u, nc, cb, cm, cLinv, cln, dxi):
     return mx + math.log(s)
 
 
+@njit(cache=True)
+def _log_mix_inv(nc, cL, cla, cLinv, cln):
+    """Inverse Cholesky factors and log normalised masses (log a_i - log |L_i| - D/2 log 2 pi)
+    of the components; returns fshift = the largest log mass."""
+    D = cL.shape[1]
+    fshift = -math.inf
+    for i in range(nc):
+        ld = 0.0
+        for a in range(D):
+            cLinv[i, a, a] = 1.0 / cL[i, a, a]
+            ld += math.log(cL[i, a, a])
+            for k in range(a):
+                s = 0.0
+                for q in range(k, a):
+                    s -= cL[i, a, q] * cLinv[i, q, k]
+                cLinv[i, a, k] = s / cL[i, a, a]
+        cln[i] = cla[i] - ld - 0.5 * D * math.log(2.0 * math.pi)
+        fshift = max(fshift, cla[i])
+    return fshift
+
+
 # ---------------------------------------------------------------------------- adaptive cubature
 # Each component's term E_{phi_j}[a_j f_b / q_b] is written over y in (-1, 1)^D by
 # u = m_j + L_j x, x_i = y_i / (1 - y_i^2) (no truncation), and integrated by globally adaptive
@@ -585,21 +606,8 @@ def modal_adaptive_one(obs, omega, V, params, nc, cb, cm, cL, cla, gp, w7, w5, t
         return STATUS_BAD_V
     cLinv = np.zeros((nc, D, D))
     cln = np.empty(nc)
-    for i in range(nc):
-        ld = 0.0
-        for a in range(D):
-            cLinv[i, a, a] = 1.0 / cL[i, a, a]
-            ld += math.log(cL[i, a, a])
-            for k in range(a):
-                s = 0.0
-                for q in range(k, a):
-                    s -= cL[i, a, q] * cLinv[i, q, k]
-                cLinv[i, a, k] = s / cL[i, a, a]
-        cln[i] = cla[i] - ld - 0.5 * D * math.log(2.0 * math.pi)
     # moments are scaled by exp(-fshift): the largest Laplace mass sets the unit
-    fshift = -math.inf
-    for i in range(nc):
-        fshift = max(fshift, cla[i])
+    fshift = _log_mix_inv(nc, cL, cla, cLinv, cln)
     # error weights: how an error in each moment moves g_out = V^-1 E[z - omega] and dg_out
     cv = np.zeros(pt)
     for a in range(pt):
@@ -770,27 +778,6 @@ def modal_adaptive(obs, omega, V, params, nc, cb, cm, cL, cla, gp, w7, w5, tol, 
 # close to its Laplace mixture this converges fast, and two rules of increasing size give the
 # estimate (``aimsym.modal.run`` compares them and sends what does not settle to the adaptive
 # driver).
-
-
-@njit(cache=True)
-def _log_mix_inv(nc, cL, cla, cLinv, cln):
-    """Inverse Cholesky factors and log normalised masses (log a_i - log |L_i| - D/2 log 2 pi)
-    of the components; returns fshift = the largest log mass."""
-    D = cL.shape[1]
-    fshift = -math.inf
-    for i in range(nc):
-        ld = 0.0
-        for a in range(D):
-            cLinv[i, a, a] = 1.0 / cL[i, a, a]
-            ld += math.log(cL[i, a, a])
-            for k in range(a):
-                s = 0.0
-                for q in range(k, a):
-                    s -= cL[i, a, q] * cLinv[i, q, k]
-                cLinv[i, a, k] = s / cL[i, a, a]
-        cln[i] = cla[i] - ld - 0.5 * D * math.log(2.0 * math.pi)
-        fshift = max(fshift, cla[i])
-    return fshift
 
 
 @njit(cache=True)
