@@ -248,3 +248,19 @@ def test_rank_identity_and_local_stability_beyond_two_dimensions(name, m, sample
     loc = local_stability(make_channel(model, samples=samples, replicas=8, seed=0))
     assert abs(loc["trace_Pi"] - m) < 3 * loc["trace_Pi_stderr"]
     assert abs(loc["local_alpha"] - model.p / m) < 3 * loc["local_alpha_stderr"] + 0.01
+
+
+def test_phase_diagram_local_perfect_recovery_curve(tmp_path):
+    """--pr-local: the phase diagram's perfect-recovery curve is local_alpha (no SE bisection),
+    labelled as local stability; at one softmax layer it sits at p/m = 1/2."""
+    from aimsym.plot import se as plot
+    from aimsym.smi.thresholds import phase_diagram, phase_rows
+
+    pd = phase_diagram(ROOT + "attention_L1_T2.toml", "beta", [1.0, 2.0], workers=1, samples=1 << 11,
+                       staircase=False, perfect=True, pr_samples=512, pr_algorithmic=False)
+    assert all(pt["perfect_recovery"]["alpha"] is None for pt in pd["points"])
+    curve = [r for r in phase_rows(pd) if r.get("perfect")]
+    assert [r["perfect"] for r in curve] == ["local", "local"]
+    assert all(abs(r["alpha"] - 0.5) < 3 * r["stderr"] + 0.01 for r in curve)
+    plot.phase_diagram(phase_rows(pd), tmp_path / "pd.png")
+    assert (tmp_path / "pd.png").stat().st_size > 1000

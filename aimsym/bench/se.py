@@ -27,7 +27,7 @@ def figure_commands(figures: str, data: str) -> list[str]:
         f"--csv {data}/se_L2_T2_skip1.csv --json",
         f"aimsym plot {db} --thresholds {th} --title 'two layers, T = 2, skip 1' "
         f"--out {figures}/se_L2_T2_overlaps_skip1.png",
-        f"aimsym thresholds {L2} --over skip=0:4:16 --samples 16384 --stair-samples 8192 --se-samples 1024 "
+        f"aimsym thresholds {L2} --over skip=0:4:16 --samples 16384 --stair-samples 8192 --se-samples 1024 --pr-local "
         f"--out {data}/se_L2_T2_phase_diagram.json --figure {figures}/se_L2_T2_phase_diagram.png --json > /dev/null",
     ]
 

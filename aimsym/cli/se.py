@@ -42,6 +42,9 @@ def register(sub) -> None:
     p.add_argument("--check", action="store_true", help="also locate alpha_c by SE with tiny side information")
     p.add_argument("--no-perfect-recovery", action="store_true", dest="no_perfect",
                    help="skip the perfect-recovery transition (local stability of Q = I, uninformed SE bisection)")
+    p.add_argument("--pr-local", action="store_true", dest="pr_local",
+                   help="perfect recovery: only where Q = I is locally stable (local_alpha), not the bisection of "
+                        "uninformed SE runs (~100x cheaper; for phase diagrams)")
     p.add_argument("--pr-samples", type=int, default=1024, dest="pr_samples",
                    help="QMC points of the SE runs locating perfect recovery (default 1024)")
     p.add_argument("--over", default=None, metavar="NAME=START:STOP:NUM",
@@ -118,7 +121,7 @@ def cmd_thresholds(args) -> int:
     model = load_model(args)
     rep = threshold_report(model, samples=args.samples, replicas=args.replicas, nodes=args.nodes, seed=args.seed,
                            staircase=not args.no_staircase, se_samples=args.se_samples, check=args.check,
-                           perfect=not args.no_perfect, pr_samples=args.pr_samples)
+                           perfect=not args.no_perfect, pr_samples=args.pr_samples, pr_algorithmic=not args.pr_local)
     if args.json:
         print_json(rep)
         return 0
@@ -170,7 +173,8 @@ def cmd_phase_diagram(args) -> int:
     pd = phase_diagram(args.model, name.strip(), values, workers=args.workers, progress=not args.json,
                        samples=args.samples, replicas=args.replicas, stair_samples=args.stair_samples,
                        se_samples=args.se_samples, seed=args.seed, nodes=args.nodes,
-                       staircase=not args.no_staircase, perfect=not args.no_perfect, pr_samples=args.pr_samples)
+                       staircase=not args.no_staircase, perfect=not args.no_perfect, pr_samples=args.pr_samples,
+                       pr_algorithmic=not args.pr_local)
     if args.out:  # (parent folders are created: a long computation is not lost to a typo)
         from pathlib import Path
 

@@ -117,7 +117,8 @@ def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None 
         lab = (labels or {}).get(step) or (f"threshold {step + 1}" + (
             f": layer{'s' if len(sub) > 1 else ''} {', '.join(str(i + 1) for i in sub)}" if sub else ""))
         if pts[0].get("perfect"):  # the perfect-recovery transition (thresholds.phase_rows)
-            lab = (labels or {}).get(step) or "uninformed SE reaches $Q = I$"
+            lab = (labels or {}).get(step) or ("$Q = I$ locally stable" if pts[0]["perfect"] == "local"
+                                               else "uninformed SE reaches $Q = I$")
         x = np.array([p["skip"] for p in pts])
         y = np.array([p["alpha"] for p in pts])
         line = ax.errorbar(x, y, yerr=[p["stderr"] for p in pts], marker="o", ms=3, capsize=2, label=lab)

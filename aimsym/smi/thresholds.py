@@ -527,9 +527,11 @@ def threshold_by_side_information(model, *, lo: float, hi: float, block=None, le
 # ----------------------------------------------------------------------------- report
 def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=None, seed=0,
                      staircase_steps: bool = True, staircase: bool | None = None, se_samples: int = 2048,
-                     check: bool = False, perfect: bool = True, pr_samples: int = 1024) -> dict:
+                     check: bool = False, perfect: bool = True, pr_samples: int = 1024,
+                     pr_algorithmic: bool = True) -> dict:
     """alpha_c, the staircase and (``perfect``) the perfect-recovery transition
-    (:func:`aimsym.smi.perfect.perfect_recovery` on ``pr_samples`` SE points)."""
+    (:func:`aimsym.smi.perfect.perfect_recovery` on ``pr_samples`` SE points; ``pr_algorithmic=False``:
+    local stability only)."""
     t0 = time.perf_counter()
     do_stairs = staircase_steps if staircase is None else staircase
     ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
@@ -548,7 +550,7 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
         from .perfect import perfect_recovery
 
         rep["perfect_recovery"] = perfect_recovery(model, samples=pr_samples, replicas=replicas, seed=seed,
-                                                   nodes=nodes)
+                                                   nodes=nodes, algorithmic=pr_algorithmic)
     accuracy = {**ch.den.accuracy, "samples": samples, "replicas": replicas, "se_samples": se_samples,
                 "pr_samples": pr_samples if perfect else None, "rule": "scrambled Sobol (randomised QMC)"}
     rep["accuracy"] = accuracy
@@ -571,9 +573,12 @@ SKIP_FLOOR = 1e-6
 
 def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, replicas: int = 8,
                 stair_samples: int = 1 << 13, se_samples: int = 1024, seed: int = 0, nodes=None,
-                stair_nodes=None, staircase: bool = True, perfect: bool = False, pr_samples: int = 1024) -> dict:
+                stair_nodes=None, staircase: bool = True, perfect: bool = False, pr_samples: int = 1024,
+                pr_algorithmic: bool = True) -> dict:
     """alpha_c and the staircase thresholds of one model at ``name = value`` (one phase-diagram
-    point); ``perfect``: also where the uninformed SE reaches Q = I (:mod:`aimsym.smi.perfect`)."""
+    point); ``perfect``: also the perfect-recovery transition (:mod:`aimsym.smi.perfect`): where
+    the uninformed SE reaches Q = I, or with ``pr_algorithmic=False`` only where Q = I is locally
+    stable (local_alpha: ~100x cheaper, no SE runs)."""
     from ..model import load
 
     t0 = time.perf_counter()
@@ -594,12 +599,14 @@ def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, 
     if perfect:
         from .perfect import perfect_recovery
 
-        full = perfect_recovery(model, samples=pr_samples, replicas=replicas, seed=seed, nodes=n_st)
+        full = perfect_recovery(model, samples=pr_samples, replicas=replicas, seed=seed, nodes=n_st,
+                                algorithmic=pr_algorithmic)
         pr = {k: full.get(k) for k in ("alpha", "stderr", "kind", "counting_alpha", "local_alpha",
                                        "local_alpha_stderr", "trace_Pi", "trace_Pi_stderr", "m")}
     accuracy = {"samples": samples, "stair_samples": stair_samples, "se_samples": se_samples,
                 "replicas": replicas, "nodes_initial": n_ini, "nodes_staircase": n_st,
-                "pr_samples": pr_samples if perfect else None, "rule": "scrambled Sobol (randomised QMC)"}
+                "pr_samples": pr_samples if perfect else None, "pr_algorithmic": pr_algorithmic if perfect else None,
+                "rule": "scrambled Sobol (randomised QMC)"}
     return {name: float(value), "evaluated_at": used, "note": note, "staircase": steps, "perfect_recovery": pr,
             "direction": ini["direction"].tolist(), "seconds": time.perf_counter() - t0,
             "provenance": provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,
@@ -638,7 +645,12 @@ def phase_rows(pd: dict) -> list[dict]:
     # the perfect-recovery transition as one more curve, after the staircase's steps
     last = max((r["step"] for r in rows), default=-1) + 1
     rows += [{"skip": pt[name], "alpha": pr["alpha"], "stderr": pr["stderr"], "step": last, "subspace": None,
-              "jump": pr["kind"] == "jump", "perfect": True}
+              "jump": pr["kind"] == "jump", "perfect": "algorithmic"}
              for pt in pd["points"] if (pr := pt.get("perfect_recovery")) and pr.get("alpha") is not None
              and np.isfinite(pr["alpha"])]
+    if not any(r.get("perfect") for r in rows):  # local stability only (pr_algorithmic=False)
+        rows += [{"skip": pt[name], "alpha": pr["local_alpha"], "stderr": pr["local_alpha_stderr"], "step": last,
+                  "subspace": None, "jump": False, "perfect": "local"}
+                 for pt in pd["points"] if (pr := pt.get("perfect_recovery")) and pr.get("local_alpha") is not None
+                 and np.isfinite(pr["local_alpha"])]
     return rows
