@@ -22,7 +22,7 @@ L2 = "derivations/attention_L2_T2.toml"
 def figure_commands(figures: str, data: str) -> list[str]:
     th, db = f"{data}/se_L2_T2_thresholds_skip1.json", f"{data}/se_L2_T2_skip1.sqlite"
     return [
-        f"aimsym thresholds {L2} --set skip=1 --samples 32768 --json > {th}",
+        f"aimsym thresholds {L2} --set skip=1 --samples 32768 --pr-local --json > {th}",
         f"aimsym sweep {L2} --set skip=1 --alpha 0.1:1.1:41 --samples 1024 --tol 1e-3 --store {db} "
         f"--csv {data}/se_L2_T2_skip1.csv --json",
         f"aimsym plot {db} --thresholds {th} --title 'two layers, T = 2, skip 1' "

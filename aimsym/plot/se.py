@@ -101,6 +101,9 @@ def _perfect_lines(ax, perfect: dict | None) -> None:
     if perfect.get("alpha") is not None and np.isfinite(perfect["alpha"]):
         ax.axvline(perfect["alpha"], color="C3", ls="-.", lw=1.0,
                    label=rf"SE reaches $Q = I$ ({perfect.get('kind')}): $\alpha$ = {perfect['alpha']:.3f}")
+    elif perfect.get("local_alpha") is not None and np.isfinite(perfect["local_alpha"]):
+        ax.axvline(perfect["local_alpha"], color="C3", ls="-.", lw=1.0,
+                   label=rf"$Q = I$ locally stable: $\alpha$ = {perfect['local_alpha']:.3f}")
 
 
 def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None = None):
