@@ -199,7 +199,7 @@ class Denoiser:
         self.path = {"noisy": "generic", "halfspace": "closed-form",
                      "hardmax-wedge": "closed-form",
                      "hardmax-wedge-mixed": "exact"}.get(self.kernels.PATH, "exact")
-        if rule == "modal" and not (self.path == "exact" and self.kernels.PATH == "attention-rank1" and self.dim > 0):
+        if rule == "modal" and not (self.path == "exact" and self.kernels.PATH in ("attention-rank1", "solve") and self.dim > 0):
             raise ChannelError("rule", f"'modal' needs an exact reduction with free entries (model {model.name!r} has "
                                        f"path {self.kernels.PATH!r}, {self.dim} free entries)")
         if self.path == "generic" and not model.noise > 0:
