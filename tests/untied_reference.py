@@ -144,3 +144,50 @@ def reference(qhat, omega, V, c, *, rtol=1e-10, box=9.0, max_subdivisions=400000
     mean = est[1:1 + pt] / S0
     second = est[1 + pt:].reshape(pt, pt) / S0
     return np.log(S0) + shift[0], mean.reshape(4, 2), second, r
+
+
+def reference_gh(qhat, omega, V, c, *, n_u=16, n_t=160, t_range=None, chunk=200_000):
+    """Same posterior by a nested product rule: tensor Gauss-Hermite (n_u per axis) on the prior
+    of u (the posterior of u is the prior times a likelihood factor that is smooth on the prior's
+    scale) times Gauss-Legendre (n_t nodes) in t = log|delta| on both signs. Returns
+    (log Z_out, E[Z] (4, 2), E[vec Z vec Z^T]); compare two sizes for its own accuracy."""
+    x, w = np.polynomial.hermite_e.hermegauss(n_u)
+    w = w / np.sqrt(2 * np.pi)
+    grids = np.meshgrid(*([x] * 4), indexing="ij")
+    X = np.stack([g.ravel() for g in grids], 1)
+    W = np.prod(np.stack(np.meshgrid(*([w] * 4), indexing="ij"), 0).reshape(4, -1), axis=0)
+    # prior of u = (z1Q_1, z1Q_2, z1K_1, z1K_2): per token (z1Q_t, z1K_t) ~ N(omega_{01,t}, V_01)
+    C = np.zeros((4, 4))
+    for t in range(2):
+        idx = [t, 2 + t]
+        C[np.ix_(idx, idx)] = V[:2, :2]
+    Lc = np.linalg.cholesky(C)
+    m0 = np.concatenate([omega[0], omega[1]])
+    U = m0 + X @ Lc.T
+    # log prior of u at the nodes (divided out: the GH weights carry it)
+    P = np.linalg.inv(C)
+    dU = U - m0
+    lp = -0.5 * np.einsum("na,ab,nb->n", dU, P, dU) - 0.5 * np.linalg.slogdet(2 * np.pi * C)[1]
+    if t_range is None:
+        sd = np.sqrt(np.diag(V))
+        kmax = 2 * np.sqrt(2) * (1 + c) * (np.abs(omega[3]).max() + 9 * sd[3])
+        qmax = 2 * (1 + c) * (np.abs(omega[2]).max() + 9 * sd[2])
+        t_range = (np.log(np.max(np.abs(qhat)) / qmax), np.log(kmax))
+    xt, wt = np.polynomial.legendre.leggauss(n_t)
+    t = 0.5 * (t_range[0] + t_range[1]) + 0.5 * (t_range[1] - t_range[0]) * xt
+    wt = wt * 0.5 * (t_range[1] - t_range[0])
+    lws, Zs, Cs, ws = [], [], [], []
+    for sg in (1.0, -1.0):
+        for i0 in range(0, len(U), max(1, chunk // n_t)):
+            Ub = U[i0:i0 + max(1, chunk // n_t)]
+            nb = len(Ub)
+            UU = np.repeat(Ub, n_t, 0)
+            TT = np.tile(t, nb)
+            lw, Z, Cr = reduced(UU, sg * np.exp(TT), qhat, omega, V, c)
+            lws.append(lw + TT - np.repeat(lp[i0:i0 + nb], n_t))
+            Zs.append(Z)
+            Cs.append(Cr)
+            ws.append(np.repeat(W[i0:i0 + nb], n_t) * np.tile(wt, nb))
+    lw = np.concatenate(lws)
+    ok = np.isfinite(lw)
+    return moments_from(lw[ok], np.concatenate(Zs)[ok], np.concatenate(ws)[ok], np.concatenate(Cs)[ok])
