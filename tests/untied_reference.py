@@ -146,7 +146,7 @@ def reference(qhat, omega, V, c, *, rtol=1e-10, box=9.0, max_subdivisions=400000
     return np.log(S0) + shift[0], mean.reshape(4, 2), second, r
 
 
-def reference_gh(qhat, omega, V, c, *, n_u=16, n_t=160, t_range=None, chunk=200_000):
+def reference_gh(qhat, omega, V, c, *, n_u=16, n_t=160, t_range=None, chunk=200_000, centre=None):
     """Same posterior by a nested product rule: tensor Gauss-Hermite (n_u per axis) on the prior
     of u (the posterior of u is the prior times a likelihood factor that is smooth on the prior's
     scale) times Gauss-Legendre (n_t nodes) in t = log|delta| on both signs. Returns
@@ -161,10 +161,12 @@ def reference_gh(qhat, omega, V, c, *, n_u=16, n_t=160, t_range=None, chunk=200_
     for t in range(2):
         idx = [t, 2 + t]
         C[np.ix_(idx, idx)] = V[:2, :2]
-    Lc = np.linalg.cholesky(C)
     m0 = np.concatenate([omega[0], omega[1]])
+    if centre is not None:  # the rule's Gaussian (the weight divides it out)
+        m0, C = centre
+    Lc = np.linalg.cholesky(C)
     U = m0 + X @ Lc.T
-    # log prior of u at the nodes (divided out: the GH weights carry it)
+    # log density of the rule's Gaussian at the nodes (divided out: the GH weights carry it)
     P = np.linalg.inv(C)
     dU = U - m0
     lp = -0.5 * np.einsum("na,ab,nb->n", dU, P, dU) - 0.5 * np.linalg.slogdet(2 * np.pi * C)[1]
