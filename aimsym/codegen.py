@@ -299,7 +299,9 @@ def _marginal_branch_kernel(d: Derivation) -> list[str]:
     entries = list(red.solved) + list(red.marginal)
     named = [(f"z_{{{k},{t}}}^{{(\\pm)}}", e) for (k, t), e in zip(entries, red.branches[0])]
     named.append((r"\log J^{(+)}", red.log_jacobian[0]))
-    lines = ["@njit(cache=True)", "def branch(b, u, obs, params, z):"]
+    # IEEE division: where det M_{L-1} or det F F^T vanishes (untied earlier layers: c I + S is not
+    # bounded away from singular) log J is +-inf and the driver gives the point zero weight
+    lines = ['@njit(cache=True, error_model="numpy")', "def branch(b, u, obs, params, z):"]
     title = ("Reduced posterior branch b (sign of lambda): fills z (P, T) from the free entries u (the last slot: "
              "s = log|lambda| - s_ref), qhat and ehat in obs; the marginalised block gets one particular "
              "solution of its functionals (the driver's _marginal projects it). Returns the log weight factor.")

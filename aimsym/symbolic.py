@@ -591,8 +591,10 @@ def _untied_reduction(spec: AttentionSpec, M_prev: sp.Matrix, prog: Program):
         f"of lambda: k = {n_u + 1}",
         "posterior moments of z_K include its residual conditional covariance along the all-ones direction",
     ]
-    if any(ly.activation == "hardmax" for ly in spec.layers[:-1]):
-        notes.append("det M_{L-1} may vanish for hardmax earlier layers; points with det M_{L-1} = 0 have zero weight")
+    if any(ly.activation == "hardmax" or not ly.tied for ly in spec.layers[:-1]):
+        notes.append("det M_{L-1} may vanish for hardmax or untied earlier layers (c I + S, S not a softmax of a Gram "
+                     "matrix): the weight tends to 0 there (z_Q grows like 1/det), points with det M_{L-1} = 0 "
+                     "have zero weight")
     if any(isinstance(ly.skip, float) and ly.skip <= 0 for ly in spec.layers[:-1]):
         notes.append("skip <= 0: M_{L-1} can be singular")
     red = Reduction(

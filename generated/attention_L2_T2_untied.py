@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_untied
 spec hash: d8a6e2bfe6d0f663
-generator: 0.1.0+e8c85699a1
+generator: 0.1.0+cbc4d9411f
 denoiser path: exact (untied softmax last layer: y fixes q d^T (d: key differences); query integrated exactly, key marginalised analytically down to d; reduced integral of dimension 5)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'd8a6e2bfe6d0f663'
-GENERATOR_VERSION = '0.1.0+e8c85699a1'
+GENERATOR_VERSION = '0.1.0+cbc4d9411f'
 NAME = 'attention_L2_T2_untied'
 P = 4
 T = 2
@@ -256,7 +256,7 @@ def last_beta(params):
     return 1
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def branch(b, u, obs, params, z):
     r"""Reduced posterior branch b (sign of lambda): fills z (P, T) from the free entries u (the last slot: s = log|lambda| - s_ref), qhat and ehat in obs; the marginalised block gets one particular solution of its functionals (the driver's _marginal projects it). Returns the log weight factor.
 

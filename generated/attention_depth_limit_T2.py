@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: ca1478c005423335
-generator: 0.1.0+e8c85699a1
+generator: 0.1.0+cbc4d9411f
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -35,7 +35,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'ca1478c005423335'
-GENERATOR_VERSION = '0.1.0+e8c85699a1'
+GENERATOR_VERSION = '0.1.0+cbc4d9411f'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2
