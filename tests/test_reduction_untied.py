@@ -171,8 +171,12 @@ def test_denoiser_against_an_independent_rule(seed):
 
 @pytest.mark.slow
 def test_g_out_and_dg_out_are_derivatives_of_log_z():
+    """Central differences (h = 1e-2) of log_z_out and g_out at a point where the 5-D adaptive rule
+    converges within its budget (estimate ~1e-3, actual ~1e-5 on g_out against 4x the regions). At
+    other points (e.g. _point(2)) it stops at the budget with estimates of 0.1-1, honestly
+    reported: the 5-D integrator's speed is issue 19 item 2."""
     m = _model()
-    omega, V, Z = _point(2)
+    omega, V, Z = _point(1)
     obs = m.observation(Z)
     h = 1e-2
     oms = [omega]
@@ -183,6 +187,7 @@ def test_g_out_and_dg_out_are_derivatives_of_log_z():
                 o[k, t] += sg * h
                 oms.append(o)
     out = _modal(m, np.array(oms), V, np.broadcast_to(obs, (len(oms), obs.size)), tol=1e-7, max_regions=64_000)
+    assert np.all(out.error < 1e-2)
     i = 1
     for k in range(4):
         for t in range(2):
