@@ -277,7 +277,8 @@ class Denoiser:
         self._tables = {}  # node tables of the mapped polar rule per rule size (``_node_tables``)
         self._table_lock = threading.Lock()
         # the adaptation passes only need the posterior's mean and covariance: a coarser rule
-        self._rule_coarse = gauss_hermite_rule(self.dim, max(6, self.nodes // 2))
+        self._rule_coarse = (None if self.rule == "modal"  # (tensor rules are not used; k can be large)
+                             else gauss_hermite_rule(self.dim, max(6, self.nodes // 2)))
 
     @property
     def accuracy(self) -> dict:

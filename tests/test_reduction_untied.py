@@ -231,3 +231,38 @@ def test_rank_identity_near_V0(V):
     s = np.einsum("nkt,kl,nlt->n", out.g_out, V, out.g_out)
     mean, se = s.mean(), s.std(ddof=1) / np.sqrt(len(s))
     assert abs(mean - 2) < max(4 * se, 0.05), (mean, se)
+
+
+def test_untied_T3_density_and_observation(tmp_path):
+    """A declared untied model at T = 3 (k = 7): the observation (qhat, ehat) from y equals the
+    one from Z, y off the manifold (R not of rank one) is refused, and the generated log density
+    equals the numpy one (tests/untied_reference.reduced_T) on both branches."""
+    from untied_reference import reduced_T
+
+    f = tmp_path / "untied3.toml"
+    f.write_text('[model]\nkind = "attention"\ntokens = 3\nlayers = 2\nrank = 1\ntied = false\nskip = 0.8\n'
+                 'activation = "softmax"\noutput = "attention"\n')
+    m = aimsym.load(f)
+    rng = np.random.default_rng(8)
+    Zs = rng.standard_normal((6, 4, 3))
+    den = m.denoiser()
+    obs = m.observation(Zs)
+    assert np.allclose(den.observe(m.link(Zs)), obs, rtol=1e-6, atol=1e-9)
+    y = m.link(Zs[:1]).copy()
+    y[0, 0] = [0.2, 0.3, 0.5]
+    with pytest.raises(ChannelError):
+        den.observe(y)
+    K = modal.load(m.kernels)
+    B = rng.standard_normal((4, 4))
+    V = 0.3 * (B @ B.T) / 4 + 0.2 * np.eye(4)
+    omega = 0.5 * rng.standard_normal((4, 3))
+    Vinv, ld = np.linalg.inv(V), np.linalg.slogdet(V)[1]
+    z = np.zeros((4, 3))
+    for i in range(4):
+        o = obs[i]
+        u = rng.standard_normal(7)
+        for b, sg in ((0, 1.0), (1, -1.0)):
+            f_gen = K._mlogf(b, u.copy(), o, m.params_array(), z, omega, Vinv, ld)
+            f_ref, Zr = reduced_T(u[0:3], u[3:6], u[6], sg, o[:3], o[3:], omega, V, 0.8)
+            assert abs(f_gen - f_ref) < 1e-9 * max(1.0, abs(f_ref))
+            assert np.abs(z - Zr).max() < 1e-9 * max(1.0, np.abs(Zr).max())

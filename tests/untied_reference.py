@@ -193,3 +193,27 @@ def reference_gh(qhat, omega, V, c, *, n_u=16, n_t=160, t_range=None, chunk=200_
     lw = np.concatenate(lws)
     ok = np.isfinite(lw)
     return moments_from(lw[ok], np.concatenate(Zs)[ok], np.concatenate(ws)[ok], np.concatenate(Cs)[ok])
+
+
+def reduced_T(u_q, u_k, s, sg, qhat, ehat, omega, V, c):
+    """Log weight of the reduced posterior at any T over (u, s), lambda = sg exp(s + s_ref), and
+    E[Z | u, s] (4, T): theory section 3 written out with numpy (two untied layers)."""
+    T = len(u_q)
+    A = softmax_rows(np.outer(u_q, u_k)[None])[0] + c * np.eye(T)
+    s_ref = 0.25 * np.log(np.sum(qhat ** 2) / T)
+    lam = sg * np.exp(s + s_ref)
+    z2Q = np.linalg.solve(A, qhat / lam)
+    Zo = np.stack([u_q, u_k, z2Q])
+    P = np.linalg.inv(V)
+    s2 = 1.0 / P[ROW_K, ROW_K]
+    mu = omega[ROW_K] - s2 * P[ROW_K, ROWS_O] @ (Zo - omega[ROWS_O])
+    Dm = np.eye(T)[1:] - np.eye(T)[:1]
+    F = Dm @ A
+    d = lam * ehat
+    FF = F @ F.T
+    r = d - F @ mu
+    lw = float(_log_gauss_cols(Zo[None], omega[ROWS_O], V[np.ix_(ROWS_O, ROWS_O)])[0])
+    lw += -0.5 * r @ np.linalg.solve(s2 * FF, r) - 0.5 * np.linalg.slogdet(2 * np.pi * s2 * FF)[1]
+    lw += -np.log(abs(np.linalg.det(A))) - np.log(abs(lam))  # |det A|^-1 |lambda|^-2, d lambda = |lambda| ds
+    mv = mu + F.T @ np.linalg.solve(FF, r)
+    return lw, np.vstack([Zo, mv])
