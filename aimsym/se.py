@@ -287,7 +287,7 @@ def denoiser_accuracy(model, nodes=None, polar=None) -> dict:
     # rescued by the mode-centred rule at ~10-100 ms per sample); at k >= 3 the mode-centred rule
     # costs seconds per sample and the SE runs the fixed rule, its error unestimated (the
     # result's diagnostics say so)
-    if getattr(model.kernels, "PATH", "") in MODAL_ONLY:
+    if getattr(getattr(model, "kernels", None), "PATH", "") in MODAL_ONLY:
         # only the mode-centred rule carries a marginalised block: at the SE's Monte Carlo scale
         # (a few % at hundreds of points) a loose tol and a small budget suffice
         out = {"tol": SE_MODAL_TOL, "max_regions": SE_MODAL_REGIONS}
