@@ -2,7 +2,7 @@
 
 model: attention_L2_T2
 spec hash: 2161f6543159659e
-generator: 0.1.0+ad8146831c
+generator: 0.1.0+150608e20f
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '2161f6543159659e'
-GENERATOR_VERSION = '0.1.0+ad8146831c'
+GENERATOR_VERSION = '0.1.0+150608e20f'
 NAME = 'attention_L2_T2'
 P = 2
 T = 2
@@ -50,6 +50,10 @@ FREE_K = np.array([0, 0], dtype=np.int64)
 FREE_T = np.array([0, 1], dtype=np.int64)
 FREE_LOG = np.array([0, 0], dtype=np.int64)
 POLAR_ANGLES = np.array([0.0, 0.7853981633974483, 1.5707963267948966, 3.141592653589793, 3.9269908169872414, 4.71238898038469, 6.283185307179586], dtype=np.float64)
+MARGINAL = ()
+MARGINAL_ROWS = np.array([], dtype=np.int64)
+MARGINAL_NULL = np.array([], dtype=np.float64).reshape(2, 0)
+HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised analytically
 HAS_POLAR = True  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,), (1,))
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
@@ -273,6 +277,12 @@ def branch(b, u, obs, params, z):
         z[1, 1] = -x3
         return x4
     return -math.inf
+
+
+@njit(cache=True)
+def _marginal(z, omega, Vinv):
+    """No marginalised block in this model."""
+    return 0.0
 
 
 @njit(cache=True)

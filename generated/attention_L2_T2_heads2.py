@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_heads2
 spec hash: 4d0ec50932b2b92b
-generator: 0.1.0+ad8146831c
+generator: 0.1.0+150608e20f
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '4d0ec50932b2b92b'
-GENERATOR_VERSION = '0.1.0+ad8146831c'
+GENERATOR_VERSION = '0.1.0+150608e20f'
 NAME = 'attention_L2_T2_heads2'
 P = 3
 T = 2
@@ -50,6 +50,10 @@ FREE_K = np.array([0, 0, 1, 1], dtype=np.int64)
 FREE_T = np.array([0, 1, 0, 1], dtype=np.int64)
 FREE_LOG = np.array([0, 0, 0, 0], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
+MARGINAL = ()
+MARGINAL_ROWS = np.array([], dtype=np.int64)
+MARGINAL_NULL = np.array([], dtype=np.float64).reshape(2, 0)
+HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised analytically
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0, 1), (0,), (1,), (2,))
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
@@ -375,6 +379,12 @@ def branch(b, u, obs, params, z):
         z[2, 1] = -x3
         return x4
     return -math.inf
+
+
+@njit(cache=True)
+def _marginal(z, omega, Vinv):
+    """No marginalised block in this model."""
+    return 0.0
 
 
 @njit(cache=True)

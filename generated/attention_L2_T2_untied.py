@@ -2,8 +2,8 @@
 
 model: attention_L2_T2_untied
 spec hash: d8a6e2bfe6d0f663
-generator: 0.1.0+ad8146831c
-denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: last layer untied (needs tied query/key))
+generator: 0.1.0+150608e20f
+denoiser path: exact (untied softmax last layer: y fixes q d^T (d: key differences); query integrated exactly, key marginalised analytically down to d; reduced integral of dimension 5)
 
 Spec:
 
@@ -32,24 +32,28 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'd8a6e2bfe6d0f663'
-GENERATOR_VERSION = '0.1.0+ad8146831c'
+GENERATOR_VERSION = '0.1.0+150608e20f'
 NAME = 'attention_L2_T2_untied'
 P = 4
 T = 2
 LINK_SHAPE = (2, 2)
 OUTPUT_SHAPE = (2, 2)
 PARAM_NAMES = ('c',)
-PATH = 'noisy'
-OBS_KIND = 'y'
-LAST_ACTIVATION = ''
-N_BRANCHES = 1
-FREE = ((0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1))
-SOLVED = ()
-INTEGRAL_DIM = 8
-FREE_K = np.array([0, 0, 1, 1, 2, 2, 3, 3], dtype=np.int64)
-FREE_T = np.array([0, 1, 0, 1, 0, 1, 0, 1], dtype=np.int64)
-FREE_LOG = np.array([0, 0, 0, 0, 0, 0, 0, 0], dtype=np.int64)
+PATH = 'attention-untied'
+OBS_KIND = 'qd'
+LAST_ACTIVATION = 'softmax'
+N_BRANCHES = 2
+FREE = ((0, 0), (0, 1), (1, 0), (1, 1), (-1, -1))
+SOLVED = ((2, 0), (2, 1))
+INTEGRAL_DIM = 5
+FREE_K = np.array([0, 0, 1, 1, -1], dtype=np.int64)
+FREE_T = np.array([0, 1, 0, 1, -1], dtype=np.int64)
+FREE_LOG = np.array([0, 0, 0, 0, 0], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
+MARGINAL = ((3, 0), (3, 1))
+MARGINAL_ROWS = np.array([3], dtype=np.int64)
+MARGINAL_NULL = np.array([[0.7071067811865475], [0.7071067811865475]], dtype=np.float64).reshape(2, 1)
+HAS_MARGINAL = True  # a compile-time constant: a Gaussian block marginalised analytically
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0, 1), (2, 3))
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
@@ -60,7 +64,7 @@ DRIVERS = ('driver',)
 INDEX_LABELS = ((1, 0, 'q', 0), (1, 0, 'k', 0), (2, 0, 'q', 0), (2, 0, 'k', 0))
 SIGN_SYMMETRIES = (('layer 1: z_1 -> -z_1', (0, 1)), ('layer 2: z_2 -> -z_2', (2, 3)), ('Z -> -Z', (0, 1, 2, 3)))
 COUNTING = {'m': 2, 'p': 4, 'alpha_pr': 2.0, 'margin': 1075773902200.1283, 'noiseless': True, 'note': 'Bayes-optimal error > 0 for alpha < alpha_PR = p/m'}
-REDUCTION_REASON = 'no exact reduction: last layer untied (needs tied query/key)'
+REDUCTION_REASON = 'untied softmax last layer: y fixes q d^T (d: key differences); query integrated exactly, key marginalised analytically down to d; reduced integral of dimension 5'
 
 
 @njit(cache=True)
@@ -261,49 +265,92 @@ def last_beta(params):
     return 1
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def branch(b, u, obs, params, z):
-    r"""Generic path: u holds all entries of Z (row-major); returns
-    log N(obs; g(Z), Delta I) with Delta = NOISE (or params[NOISE_PARAM]).
+    r"""Reduced posterior branch b (sign of lambda): fills z (P, T) from the free entries u (the last slot: s = log|lambda| - s_ref), qhat and ehat in obs; the marginalised block gets one particular solution of its functionals (the driver's _marginal projects it). Returns the log weight factor.
+
+    .. math::
+
+        S^{(1)}_{11} &= \frac{1}{e^{- z_{0,0} z_{1,0} + z_{0,0} z_{1,1}} + 1} \\
+        S^{(1)}_{12} &= \frac{1}{e^{z_{0,0} z_{1,0} - z_{0,0} z_{1,1}} + 1} \\
+        S^{(1)}_{21} &= \frac{1}{e^{- z_{0,1} z_{1,0} + z_{0,1} z_{1,1}} + 1} \\
+        S^{(1)}_{22} &= \frac{1}{e^{z_{0,1} z_{1,0} - z_{0,1} z_{1,1}} + 1} \\
+        M^{(1)}_{11} &= S^{(1)}_{11} + c \\
+        M^{(1)}_{22} &= S^{(1)}_{22} + c \\
+        z_{2,0}^{(\pm)} &= \frac{\left(M^{(1)}_{22} \hat{q}_{0} - S^{(1)}_{12} \hat{q}_{1}\right) e^{- \mathrm{s}}}{\sqrt[4]{\frac{\hat{q}_{0}^{2}}{2} + \frac{\hat{q}_{1}^{2}}{2}} \left(M^{(1)}_{11} M^{(1)}_{22} - S^{(1)}_{12} S^{(1)}_{21}\right)} \\
+        z_{2,1}^{(\pm)} &= \frac{\left(M^{(1)}_{11} \hat{q}_{1} - S^{(1)}_{21} \hat{q}_{0}\right) e^{- \mathrm{s}}}{\sqrt[4]{\frac{\hat{q}_{0}^{2}}{2} + \frac{\hat{q}_{1}^{2}}{2}} \left(M^{(1)}_{11} M^{(1)}_{22} - S^{(1)}_{12} S^{(1)}_{21}\right)} \\
+        z_{3,0}^{(\pm)} &= - \frac{S^{(1)}_{12} \hat{e}_{0} \sqrt[4]{\frac{\hat{q}_{0}^{2}}{2} + \frac{\hat{q}_{1}^{2}}{2}} e^{\mathrm{s}}}{M^{(1)}_{11} M^{(1)}_{22} - S^{(1)}_{12} S^{(1)}_{21}} \\
+        z_{3,1}^{(\pm)} &= \frac{M^{(1)}_{11} \hat{e}_{0} \sqrt[4]{\frac{\hat{q}_{0}^{2}}{2} + \frac{\hat{q}_{1}^{2}}{2}} e^{\mathrm{s}}}{M^{(1)}_{11} M^{(1)}_{22} - S^{(1)}_{12} S^{(1)}_{21}} \\
+        \log J^{(+)} &= - \mathrm{s} - \frac{\log{\left(\frac{\hat{q}_{0}^{2}}{2} + \frac{\hat{q}_{1}^{2}}{2} \right)}}{4} - \frac{\log{\left(\left(- M^{(1)}_{11} + S^{(1)}_{21}\right)^{2} + \left(M^{(1)}_{22} - S^{(1)}_{12}\right)^{2} \right)}}{2} - \log{\left(\left|{M^{(1)}_{11} M^{(1)}_{22} - S^{(1)}_{12} S^{(1)}_{21}}\right| \right)} \\
     """
     z_0_0 = u[0]
     z_0_1 = u[1]
     z_1_0 = u[2]
     z_1_1 = u[3]
-    z_2_0 = u[4]
-    z_2_1 = u[5]
-    z_3_0 = u[6]
-    z_3_1 = u[7]
+    _s = u[4]
+    qhat_0 = obs[0]
+    qhat_1 = obs[1]
+    ehat_0 = obs[2]
     c = params[0]
     z[0, 0] = z_0_0
     z[0, 1] = z_0_1
     z[1, 0] = z_1_0
     z[1, 1] = z_1_1
-    z[2, 0] = z_2_0
-    z[2, 1] = z_2_1
-    z[3, 0] = z_3_0
-    z[3, 1] = z_3_1
     _S1_0_0, _S1_0_1 = _softmax2(-z_0_0*z_1_0 + z_0_0*z_1_1)
     _S1_1_0, _S1_1_1 = _softmax2(-z_0_1*z_1_0 + z_0_1*z_1_1)
     _M1_0_0 = _S1_0_0 + c
     _M1_1_1 = _S1_1_1 + c
-    _q2_0_0 = _M1_0_0*z_2_0 + _S1_0_1*z_2_1
-    _q2_1_0 = _M1_1_1*z_2_1 + _S1_1_0*z_2_0
-    _k2_0_0 = _M1_0_0*z_3_0 + _S1_0_1*z_3_1
-    _k2_1_0 = _M1_1_1*z_3_1 + _S1_1_0*z_3_0
-    _S2_0_0, _S2_0_1 = _softmax2(-_k2_0_0*_q2_0_0 + _k2_1_0*_q2_0_0)
-    _S2_1_0, _S2_1_1 = _softmax2(-_k2_0_0*_q2_1_0 + _k2_1_0*_q2_1_0)
-    Delta = noise_variance(params)
-    acc = 0.0
-    r = obs[0] - (_S2_0_0)
-    acc += r * r
-    r = obs[1] - (_S2_0_1)
-    acc += r * r
-    r = obs[2] - (_S2_1_0)
-    acc += r * r
-    r = obs[3] - (_S2_1_1)
-    acc += r * r
-    return -0.5 * acc / Delta - 2.0 * math.log(2.0 * math.pi * Delta)
+    x0 = qhat_0**2 + qhat_1**2
+    x1 = x0**(0.25)
+    x2 = _M1_0_0*_M1_1_1 - _S1_0_1*_S1_1_0
+    x3 = 1/x2
+    x4 = 2**(0.25)*x3*math.exp(-_s)/x1
+    x5 = x4*(_M1_1_1*qhat_0 - _S1_0_1*qhat_1)
+    x6 = x4*(_M1_0_0*qhat_1 - _S1_1_0*qhat_0)
+    x7 = (0.5)*2**(0.75)*ehat_0*x1*x3*math.exp(_s)
+    x8 = _S1_0_1*x7
+    x9 = _M1_0_0*x7
+    x10 = -_s - 0.25*math.log((0.5)*x0) - 0.5*math.log((_M1_0_0 - _S1_1_0)**2 + (_M1_1_1 - _S1_0_1)**2) - math.log(abs(x2))
+    if b == 0:
+        z[2, 0] = x5
+        z[2, 1] = x6
+        z[3, 0] = -x8
+        z[3, 1] = x9
+        return x10
+    elif b == 1:
+        z[2, 0] = -x5
+        z[2, 1] = -x6
+        z[3, 0] = x8
+        z[3, 1] = -x9
+        return x10
+    return -math.inf
+
+
+@njit(cache=True)
+def _marginal(z, omega, Vinv):
+    """Move the marginalised row K = MARGINAL_ROWS[0] of z (a solution of its functionals F z_K^T = d)
+    to its conditional mean given d and the other rows: z_K += N N^T (mu - z_K), mu_t the prior's
+    conditional mean of z_{K,t} given z_{-K,t} (variance sigma^2 = 1 / Vinv[K, K]) and N the
+    functionals' null space (MARGINAL_NULL, T x n_null, orthonormal). Returns the log factor
+    (n_null / 2) log(2 pi sigma^2) that turns prod_t N(z_t; omega_t, V) at that point into the
+    prior of the other rows times the Gaussian density of d (theory section 3)."""
+    K = MARGINAL_ROWS[0]
+    p = z.shape[0]
+    nt = z.shape[1]
+    s2 = 1.0 / Vinv[K, K]
+    nn = MARGINAL_NULL.shape[1]
+    for c in range(nn):
+        coef = 0.0
+        for t in range(nt):
+            acc = 0.0
+            for j in range(p):
+                if j != K:
+                    acc += Vinv[K, j] * (z[j, t] - omega[j, t])
+            mu = omega[K, t] - s2 * acc
+            coef += MARGINAL_NULL[t, c] * (mu - z[K, t])
+        for t in range(nt):
+            z[K, t] += coef * MARGINAL_NULL[t, c]
+    return 0.5 * nn * math.log(2.0 * math.pi * s2)
 
 
 @njit(cache=True)
@@ -325,4 +372,21 @@ POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
 
 
-observation_values = None  # the denoiser observes y itself
+def observation_values(Z, params):
+    import numpy
+    z_0_0 = Z[..., 0, 0]
+    z_0_1 = Z[..., 0, 1]
+    z_1_0 = Z[..., 1, 0]
+    z_1_1 = Z[..., 1, 1]
+    z_2_0 = Z[..., 2, 0]
+    z_2_1 = Z[..., 2, 1]
+    z_3_0 = Z[..., 3, 0]
+    z_3_1 = Z[..., 3, 1]
+    c = params[0]
+    _S1_0_0 = (numpy.exp(-z_0_0*z_1_0 + z_0_0*z_1_1) + 1)**(-1.0)
+    _S1_0_1 = (numpy.exp(z_0_0*z_1_0 - z_0_0*z_1_1) + 1)**(-1.0)
+    _S1_1_0 = (numpy.exp(-z_0_1*z_1_0 + z_0_1*z_1_1) + 1)**(-1.0)
+    _S1_1_1 = (numpy.exp(z_0_1*z_1_0 - z_0_1*z_1_1) + 1)**(-1.0)
+    _M1_0_0 = _S1_0_0 + c
+    _M1_1_1 = _S1_1_1 + c
+    return [(_M1_0_0*z_2_0 + _S1_0_1*z_2_1)*(-_M1_0_0*z_3_0 + _M1_1_1*z_3_1 - _S1_0_1*z_3_1 + _S1_1_0*z_3_0), (_M1_1_1*z_2_1 + _S1_1_0*z_2_0)*(-_M1_0_0*z_3_0 + _M1_1_1*z_3_1 - _S1_0_1*z_3_1 + _S1_1_0*z_3_0), 1]

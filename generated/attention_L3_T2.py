@@ -2,7 +2,7 @@
 
 model: attention_L3_T2
 spec hash: a55bd7fb68e63aa4
-generator: 0.1.0+ad8146831c
+generator: 0.1.0+150608e20f
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'a55bd7fb68e63aa4'
-GENERATOR_VERSION = '0.1.0+ad8146831c'
+GENERATOR_VERSION = '0.1.0+150608e20f'
 NAME = 'attention_L3_T2'
 P = 3
 T = 2
@@ -50,6 +50,10 @@ FREE_K = np.array([0, 0, 1, 1], dtype=np.int64)
 FREE_T = np.array([0, 1, 0, 1], dtype=np.int64)
 FREE_LOG = np.array([0, 0, 0, 0], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
+MARGINAL = ()
+MARGINAL_ROWS = np.array([], dtype=np.int64)
+MARGINAL_NULL = np.array([], dtype=np.float64).reshape(2, 0)
+HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised analytically
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,), (1,), (2,))
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
@@ -403,6 +407,12 @@ def branch(b, u, obs, params, z):
         z[2, 1] = -x3
         return x4
     return -math.inf
+
+
+@njit(cache=True)
+def _marginal(z, omega, Vinv):
+    """No marginalised block in this model."""
+    return 0.0
 
 
 @njit(cache=True)

@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: ca1478c005423335
-generator: 0.1.0+ad8146831c
+generator: 0.1.0+150608e20f
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -35,7 +35,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'ca1478c005423335'
-GENERATOR_VERSION = '0.1.0+ad8146831c'
+GENERATOR_VERSION = '0.1.0+150608e20f'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2
@@ -53,6 +53,10 @@ FREE_K = np.array([0, 0], dtype=np.int64)
 FREE_T = np.array([0, 1], dtype=np.int64)
 FREE_LOG = np.array([0, 0], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
+MARGINAL = ()
+MARGINAL_ROWS = np.array([], dtype=np.int64)
+MARGINAL_NULL = np.array([], dtype=np.float64).reshape(2, 0)
+HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised analytically
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,),)
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
@@ -2802,6 +2806,12 @@ def branch(b, u, obs, params, z):
     r = obs[3] - (_Sout_1_1)
     acc += r * r
     return -0.5 * acc / Delta - 2.0 * math.log(2.0 * math.pi * Delta)
+
+
+@njit(cache=True)
+def _marginal(z, omega, Vinv):
+    """No marginalised block in this model."""
+    return 0.0
 
 
 @njit(cache=True)

@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+ad8146831c
+generator: 0.1.0+150608e20f
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+ad8146831c'
+GENERATOR_VERSION = '0.1.0+150608e20f'
 NAME = 'gaussian_channel'
 P = 1
 T = 1
@@ -43,6 +43,10 @@ FREE_K = np.array([0], dtype=np.int64)
 FREE_T = np.array([0], dtype=np.int64)
 FREE_LOG = np.array([0], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
+MARGINAL = ()
+MARGINAL_ROWS = np.array([], dtype=np.int64)
+MARGINAL_NULL = np.array([], dtype=np.float64).reshape(1, 0)
+HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised analytically
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ()
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
@@ -128,6 +132,12 @@ def branch(b, u, obs, params, z):
     r = obs[0] - (z_0_0)
     acc += r * r
     return -0.5 * acc / Delta - 0.5 * math.log(2.0 * math.pi * Delta)
+
+
+@njit(cache=True)
+def _marginal(z, omega, Vinv):
+    """No marginalised block in this model."""
+    return 0.0
 
 
 @njit(cache=True)

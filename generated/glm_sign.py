@@ -2,7 +2,7 @@
 
 model: glm_sign
 spec hash: c64eee4aaf29a557
-generator: 0.1.0+ad8146831c
+generator: 0.1.0+150608e20f
 denoiser path: exact (sign of a single index (z_0_0): half-space constraint, closed form)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'c64eee4aaf29a557'
-GENERATOR_VERSION = '0.1.0+ad8146831c'
+GENERATOR_VERSION = '0.1.0+150608e20f'
 NAME = 'glm_sign'
 P = 1
 T = 1
@@ -43,6 +43,10 @@ FREE_K = np.array([], dtype=np.int64)
 FREE_T = np.array([], dtype=np.int64)
 FREE_LOG = np.array([], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
+MARGINAL = ()
+MARGINAL_ROWS = np.array([], dtype=np.int64)
+MARGINAL_NULL = np.array([], dtype=np.float64).reshape(1, 0)
+HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised analytically
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ()
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
@@ -121,6 +125,12 @@ def branch(b, u, obs, params, z):
     """
     y_0 = obs[0]
     return -math.inf
+
+
+@njit(cache=True)
+def _marginal(z, omega, Vinv):
+    """No marginalised block in this model."""
+    return 0.0
 
 
 @njit(cache=True)

@@ -2,7 +2,7 @@
 
 model: hardmax_L2_T2
 spec hash: 7508f35d33687fef
-generator: 0.1.0+ad8146831c
+generator: 0.1.0+150608e20f
 denoiser path: exact (hardmax last layer after a tied rank-one first layer, T = 2: region constraint (z_2 in a union of wedges depending on z_1), 2-D integral over z_1)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '7508f35d33687fef'
-GENERATOR_VERSION = '0.1.0+ad8146831c'
+GENERATOR_VERSION = '0.1.0+150608e20f'
 NAME = 'hardmax_L2_T2'
 P = 2
 T = 2
@@ -50,6 +50,10 @@ FREE_K = np.array([0, 0], dtype=np.int64)
 FREE_T = np.array([0, 1], dtype=np.int64)
 FREE_LOG = np.array([0, 0], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
+MARGINAL = ()
+MARGINAL_ROWS = np.array([], dtype=np.int64)
+MARGINAL_NULL = np.array([], dtype=np.float64).reshape(2, 0)
+HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised analytically
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,), (1,))
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
@@ -241,6 +245,12 @@ def branch(b, u, obs, params, z):
     z[0, 0] = z_0_0
     z[0, 1] = z_0_1
     return -math.inf
+
+
+@njit(cache=True)
+def _marginal(z, omega, Vinv):
+    """No marginalised block in this model."""
+    return 0.0
 
 
 @njit(cache=True)

@@ -2,7 +2,7 @@
 
 model: mim_product
 spec hash: 256c784af7e77580
-generator: 0.1.0+ad8146831c
+generator: 0.1.0+150608e20f
 denoiser path: exact (solved y = g(Z) for z_1_0 (1 branch))
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '256c784af7e77580'
-GENERATOR_VERSION = '0.1.0+ad8146831c'
+GENERATOR_VERSION = '0.1.0+150608e20f'
 NAME = 'mim_product'
 P = 2
 T = 1
@@ -43,6 +43,10 @@ FREE_K = np.array([0], dtype=np.int64)
 FREE_T = np.array([0], dtype=np.int64)
 FREE_LOG = np.array([1], dtype=np.int64)
 POLAR_ANGLES = np.array([], dtype=np.float64)
+MARGINAL = ()
+MARGINAL_ROWS = np.array([], dtype=np.int64)
+MARGINAL_NULL = np.array([], dtype=np.float64).reshape(1, 0)
+HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised analytically
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ()
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
@@ -137,6 +141,12 @@ def branch(b, u, obs, params, z):
         z[1, 0] = -x0
         return 0
     return -math.inf
+
+
+@njit(cache=True)
+def _marginal(z, omega, Vinv):
+    """No marginalised block in this model."""
+    return 0.0
 
 
 @njit(cache=True)

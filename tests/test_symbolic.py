@@ -129,7 +129,9 @@ def h_from_y():
 
 def test_reduction_reported_when_absent():
     for kw, word in [({"output": "tokens"}, "tokens"), ({"rank": 2}, "rank"), ({"heads": 2}, "heads"),
-                     ({"tied": False}, "untied"),
+                     # (an untied softmax last layer has the generalised reduction,
+                     # tests/test_reduction_untied.py; an untied linear one does not)
+                     ({"tied": False, "activation": "linear"}, "untied"),
                      # (a tied rank-one first layer before a hardmax last layer is a region reduction,
                      # tests/test_hardmax_mixed.py; an untied one is not)
                      ({"activation": "hardmax", "tied": [False, True]}, "hardmax")]:

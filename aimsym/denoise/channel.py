@@ -101,6 +101,8 @@ MAX_TENSOR_NODES = 200_000
 # memory for the node tables of one denoiser and rule size (about 0.1 MB per table at the
 # default rule); beyond it the cache restarts
 MAX_TABLE_BYTES = 2**28
+# exact paths integrated by the mode-centred rule only (a Gaussian block marginalised analytically)
+MODAL_ONLY = ("attention-untied",)
 _NO_TABLES = np.zeros((0, 1, 1))
 _NO_KEYS = np.zeros(0, dtype=np.int64)
 
@@ -160,6 +162,29 @@ def polar_rule(sizes: tuple[int, int] | None):
     return th, w_th, rr, w_r
 
 
+def observe_untied(y: np.ndarray, beta: float) -> np.ndarray:
+    """(qhat, ehat) from row-softmax outputs y (n, T, T) of an untied last layer (theory section 3):
+    l_ab = log(y_ab / y_aa) / beta = q_a (k_b - k_a), so R_ab = l_ab - l_a1 = q_a d_b (d_b = k_b - k_1,
+    b >= 2) is the rank-one matrix q d^T; ehat = its unit row direction with ehat_1 >= 0 (from the
+    row of largest norm) and qhat = R ehat. Rejects y off the manifold (R not of rank one)."""
+    n, T, _ = y.shape
+    with np.errstate(divide="ignore"):
+        ly = np.log(y)
+    P = (ly - np.diagonal(ly, axis1=1, axis2=2)[:, :, None]) / beta
+    R = P[:, :, 1:] - P[:, :, :1]  # (n, T, T - 1)
+    norms = np.linalg.norm(R, axis=2)
+    top = np.argmax(norms, axis=1)
+    e = R[np.arange(n), top] / norms[np.arange(n), top][:, None]
+    e *= np.where(e[:, :1] < 0, -1.0, 1.0)
+    qh = np.einsum("nab,nb->na", R, e)
+    resid = np.linalg.norm(R - qh[:, :, None] * e[:, None, :], axis=(1, 2))
+    bad = ~(resid <= 1e-6 * (1.0 + np.linalg.norm(R, axis=(1, 2))))
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        raise ChannelError("y", f"sample {i}: {_STATUS[2][1]} (the log-ratios are not of rank one q d^T)")
+    return np.ascontiguousarray(np.concatenate([qh, e], axis=1))
+
+
 class Denoiser:
     """Compiled batch denoiser of a :class:`~aimsym.model.Model`.
 
@@ -199,7 +224,10 @@ class Denoiser:
         self.path = {"noisy": "generic", "halfspace": "closed-form",
                      "hardmax-wedge": "closed-form",
                      "hardmax-wedge-mixed": "exact"}.get(self.kernels.PATH, "exact")
-        if rule == "modal" and not (self.path == "exact" and self.kernels.PATH in ("attention-rank1", "solve") and self.dim > 0):
+        if self.kernels.PATH in MODAL_ONLY:  # (the tensor rules do not carry a marginalised block)
+            rule = self.rule = "modal"
+        if rule == "modal" and not (self.path == "exact" and self.kernels.PATH in ("attention-rank1", "solve",
+                                                                                   *MODAL_ONLY) and self.dim > 0):
             raise ChannelError("rule", f"'modal' needs an exact reduction with free entries (model {model.name!r} has "
                                        f"path {self.kernels.PATH!r}, {self.dim} free entries)")
         if self.path == "generic" and not model.noise > 0:
@@ -238,7 +266,8 @@ class Denoiser:
         self._tables = {}  # node tables of the mapped polar rule per rule size (``_node_tables``)
         self._table_lock = threading.Lock()
         # the adaptation passes only need the posterior's mean and covariance: a coarser rule
-        self._rule_coarse = gauss_hermite_rule(self.dim, max(6, self.nodes // 2))
+        self._rule_coarse = (None if self.rule == "modal"  # (tensor rules are not used; k can be large)
+                             else gauss_hermite_rule(self.dim, max(6, self.nodes // 2)))
 
     @property
     def accuracy(self) -> dict:
@@ -285,7 +314,7 @@ class Denoiser:
         yf = np.ascontiguousarray(y.reshape(-1, rows, cols))
         if not np.all(np.isfinite(yf)):
             raise ChannelError("y", "contains NaN or infinite entries")
-        if k.OBS_KIND == "h":
+        if k.OBS_KIND in ("h", "qd"):
             if k.LAST_ACTIVATION == "softmax":
                 rs = yf.sum(axis=2)
                 if np.any(np.abs(rs - 1) > 1e-9) or np.any(yf <= 0):
@@ -294,6 +323,8 @@ class Denoiser:
             n_obs = k.T
         else:
             n_obs = rows * cols
+        if k.OBS_KIND == "qd":
+            return observe_untied(yf, float(k.last_beta(self.params))).reshape(*batch, 2 * k.T - 1)
         obs = np.empty((yf.shape[0], n_obs))
         status = np.empty(yf.shape[0], dtype=np.int64)
         k.observe_batch(yf, self.params, obs, status)

@@ -191,6 +191,8 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
         K.modal_adaptive(obs[rest], omega[rest], sub(V), params, nc[rest], cb[rest], cm[rest], cL[rest], cla[rest],
                          gp, w7, w5, float(tol), int(max_regions), g2, dg2, ex2, st2)
         g[rest], dg[rest], extra[rest], status[rest] = g2, dg2, ex2, st2
+    if getattr(K, "HAS_MARGINAL", False):
+        add_residual_covariance(K, V, dg)
     return g, dg, extra[:, 0], extra[:, 2], extra[:, 1], extra[:, 3] > 0, status
 
 
@@ -232,3 +234,20 @@ def _fast_path(K, obs, omega, V, params, nc, cb, cm, cL, cla, tol, g, dg, extra,
             active, tot, d = active[~ok], tot[~ok], d[~ok]
         prev, prev_d = tot, d
     return done
+
+
+def add_residual_covariance(K, V, dg):
+    """dg_out += V^-1 Cov_res V^-1 for a block marginalised analytically (theory section 3): given
+    the reduced variables its row K keeps the conditional covariance sigma^2 N N^T over tokens
+    (sigma^2 = 1 / (V^-1)_KK, N the functionals' null space), the same at every point of the
+    reduced posterior, so it adds to Cov(Z | y) once, outside the integral."""
+    rows = np.asarray(K.MARGINAL_ROWS)
+    if rows.size == 0:
+        return
+    k = int(rows[0])
+    N = np.asarray(K.MARGINAL_NULL)
+    Pn = N @ N.T  # (T, T)
+    Vinv = np.linalg.inv(V)  # (1 or n, p, p)
+    s2 = 1.0 / Vinv[:, k, k]
+    col = Vinv[:, :, k]  # V^-1 e_K
+    dg += np.einsum("n,nk,ts,nl->nktls", s2, col, Pn, col)

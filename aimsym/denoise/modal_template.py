@@ -4,7 +4,7 @@ Appended, as source text, to a model's generated module (model kernels + the pol
 driver) and written to a content-keyed file in the cache directory, so that numba caches it with
 the model's ``branch`` kernel (a jitted function passed as an argument would be recompiled in every
 process). It relies on the generated names ``branch``, ``P``, ``T``, ``INTEGRAL_DIM``,
-``N_BRANCHES``, ``FREE_K``, ``FREE_T`` and on the driver's ``_cholesky``, ``_precision``,
+``N_BRANCHES``, ``FREE_K``, ``FREE_T``, ``HAS_MARGINAL``, ``_marginal`` and on the driver's ``_cholesky``, ``_precision``,
 ``_log_prior``, ``_finish`` and ``STATUS_*``. This file is not imported by the package.
 
 The reduced posterior on each branch b is f_b(u) = exp(branch(b, u)) prod_t N(z_t; omega_t, V).
@@ -42,6 +42,8 @@ def _mlogf(b, u, obs, params, z, omega, Vinv, logdet_V):
     lj = branch(b, u, obs, params, z)
     if not (-math.inf < lj < math.inf):
         return -math.inf
+    if HAS_MARGINAL:  # a Gaussian block marginalised analytically: its conditional mean, its log factor
+        lj += _marginal(z, omega, Vinv)
     return lj + _log_prior(z, omega, Vinv, logdet_V)
 
 
@@ -226,12 +228,18 @@ def modal_modes_one(obs, omega, V, params, xs, flips, n_start, inflate, cb, cm, 
     for i in range(D):
         for j in range(D):
             C0[i, j] = V[FREE_K[i], FREE_K[j]] if FREE_T[i] == FREE_T[j] else 0.0
+    for i in range(D):  # auxiliary slots (not entries of Z): the branch scales them to O(1) around 0
+        if FREE_K[i] < 0:
+            for j in range(D):
+                C0[i, j] = 0.0
+                C0[j, i] = 0.0
+            C0[i, i] = 1.0
     L0 = np.empty((D, D))
     if not _cholesky(C0, L0):
         return -STATUS_BAD_V
     m0 = np.empty(D)
     for i in range(D):
-        m0[i] = omega[FREE_K[i], FREE_T[i]]
+        m0[i] = omega[FREE_K[i], FREE_T[i]] if FREE_K[i] >= 0 else 0.0
     z = np.zeros((p, T))
     u = np.empty(D)
     Ns = xs.shape[0]

@@ -230,6 +230,8 @@ def _jacobian_kernel(d: Derivation) -> list[str]:
 def _branch_kernel(d: Derivation) -> list[str]:
     """``branch(b, u, obs, params, z) -> log weight factor`` for the reduced posterior."""
     red = d.reduction
+    if red is not None and red.marginal:
+        return _marginal_branch_kernel(d)
     lines = ["@njit(cache=True)", "def branch(b, u, obs, params, z):"]
     if red is not None:
         named = [(f"z_{{{k},{t}}}^{{(s={'+-'[i] if red.kind == 'attention-rank1' else i})}}", e)
@@ -275,6 +277,76 @@ def _branch_kernel(d: Derivation) -> list[str]:
         lines.append("    acc += r * r")
     lines.append(f"    return -0.5 * acc / Delta - {0.5 * len(d.link)} * math.log(2.0 * math.pi * Delta)")
     return lines
+
+
+def _marginal_branch_kernel(d: Derivation) -> list[str]:
+    """``branch`` of a generalised reduction (kind "attention-untied"): fills the free entries,
+    the solved block and one particular solution of the marginalised block's functionals; the
+    driver's ``_marginal`` then moves the latter to its conditional mean (theory section 3)."""
+    red = d.reduction
+    aux_slots = [i for i, (k, _) in enumerate(red.free) if k < 0]
+    entries = list(red.solved) + list(red.marginal)
+    named = [(f"z_{{{k},{t}}}^{{(\\pm)}}", e) for (k, t), e in zip(entries, red.branches[0])]
+    named.append((r"\log J^{(+)}", red.log_jacobian[0]))
+    # IEEE division: where det M_{L-1} or det F F^T vanishes (untied earlier layers: c I + S is not
+    # bounded away from singular) log J is +-inf and the driver gives the point zero weight
+    lines = ['@njit(cache=True, error_model="numpy")', "def branch(b, u, obs, params, z):"]
+    title = ("Reduced posterior branch b (sign of lambda): fills z (P, T) from the free entries u (the last slot: "
+             "s = log|lambda| - s_ref), qhat and ehat in obs; the marginalised block gets one particular "
+             "solution of its functionals (the driver's _marginal projects it). Returns the log weight factor.")
+    lines += _docstring(title, latex_program(d.program, named, 8000))
+    lines += [f"    {d.Z[k, t].name} = u[{i}]" for i, (k, t) in enumerate(red.free) if k >= 0]
+    lines += [f"    {a.name} = u[{i}]" for a, i in zip(red.aux, aux_slots)]
+    lines += [f"    {s.name} = obs[{i}]" for i, s in enumerate(red.obs)]
+    lines += _unpack_params(d)
+    lines += [f"    z[{k}, {t}] = {d.Z[k, t].name}" for (k, t) in red.free if k >= 0]
+    exprs = [e for br in red.branches for e in br] + list(red.log_jacobian)
+    body, reduced = _program_block(d, exprs)
+    lines += body
+    n_e = len(entries)
+    for i in range(len(red.branches)):
+        lines.append(f"    {'if' if i == 0 else 'elif'} b == {i}:")
+        for j, (k, t) in enumerate(entries):
+            lines.append(f"        z[{k}, {t}] = {reduced[i * n_e + j]}")
+        lines.append(f"        return {reduced[len(red.branches) * n_e + i]}")
+    lines.append("    return -math.inf")
+    return lines
+
+
+# the conditional-mean projection of a marginalised block (rank one: one row K of Z), appended to
+# the modules of models with one; the driver calls it after ``branch``
+_MARGINAL_KERNEL = '''@njit(cache=True)
+def _marginal(z, omega, Vinv):
+    """Move the marginalised row K = MARGINAL_ROWS[0] of z (a solution of its functionals F z_K^T = d)
+    to its conditional mean given d and the other rows: z_K += N N^T (mu - z_K), mu_t the prior's
+    conditional mean of z_{K,t} given z_{-K,t} (variance sigma^2 = 1 / Vinv[K, K]) and N the
+    functionals' null space (MARGINAL_NULL, T x n_null, orthonormal). Returns the log factor
+    (n_null / 2) log(2 pi sigma^2) that turns prod_t N(z_t; omega_t, V) at that point into the
+    prior of the other rows times the Gaussian density of d (theory section 3)."""
+    K = MARGINAL_ROWS[0]
+    p = z.shape[0]
+    nt = z.shape[1]
+    s2 = 1.0 / Vinv[K, K]
+    nn = MARGINAL_NULL.shape[1]
+    for c in range(nn):
+        coef = 0.0
+        for t in range(nt):
+            acc = 0.0
+            for j in range(p):
+                if j != K:
+                    acc += Vinv[K, j] * (z[j, t] - omega[j, t])
+            mu = omega[K, t] - s2 * acc
+            coef += MARGINAL_NULL[t, c] * (mu - z[K, t])
+        for t in range(nt):
+            z[K, t] += coef * MARGINAL_NULL[t, c]
+    return 0.5 * nn * math.log(2.0 * math.pi * s2)
+'''
+
+_MARGINAL_STUB = '''@njit(cache=True)
+def _marginal(z, omega, Vinv):
+    """No marginalised block in this model."""
+    return 0.0
+'''
 
 
 def _polar_kernels(spec: Spec, d: Derivation) -> list[str]:
@@ -447,9 +519,12 @@ def module_source(spec: Spec) -> str:
     polar_angles = _polar_angles(spec, d)
     rows, cols = d.link.shape
     drivers = ("driver", "hardmax") if red is not None and red.kind == "hardmax-wedge-mixed" else ("driver",)
+    marginal = list(red.marginal) if red is not None else []
+    null = [list(map(float, r)) for r in red.marginal_null] if marginal else []
+    assert len({k for k, _ in marginal}) <= 1, "marginalised blocks of more than one row are not supported"
     if red is not None:
         path, free, solved, n_branches = red.kind, red.free, red.solved, len(red.branches)
-        obs_kind = "h" if red.kind == "attention-rank1" else "y"
+        obs_kind = {"attention-rank1": "h", "attention-untied": "qd"}.get(red.kind, "y")
         activation = red.activation
     else:
         path = "noisy"
@@ -494,6 +569,10 @@ def module_source(spec: Spec) -> str:
         f"FREE_T = np.array({[t for _, t in free]!r}, dtype=np.int64)",
         f"FREE_LOG = np.array({[int(i in (red.log_free if red else [])) for i in range(len(free))]!r}, dtype=np.int64)",
         f"POLAR_ANGLES = np.array({polar_angles!r}, dtype=np.float64)",
+        f"MARGINAL = {tuple(marginal)!r}",
+        f"MARGINAL_ROWS = np.array({sorted({k for k, _ in marginal})!r}, dtype=np.int64)",
+        f"MARGINAL_NULL = np.array({null!r}, dtype=np.float64).reshape({d.tokens}, {len(null[0]) if null else 0})",
+        f"HAS_MARGINAL = {bool(marginal)}  # a compile-time constant: a Gaussian block marginalised analytically",
         f"HAS_POLAR = {bool(polar_angles)}  # a compile-time constant: models without the polar rule skip compiling it",
         f"EVEN_ROWS = {tuple(tuple(s['rows']) for s in d.symmetries if s['name'] != 'Z -> -Z')!r}",
         "# hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one",
@@ -533,7 +612,7 @@ def module_source(spec: Spec) -> str:
     ]
     hardmax_mixed = red is not None and red.kind == "hardmax-wedge-mixed"
     parts = [_link_kernel(d), _jacobian_kernel(d), _noise_kernel(d), _last_beta_kernel(d), _branch_kernel(d),
-             _polar_kernels(spec, d)]
+             (_MARGINAL_KERNEL if marginal else _MARGINAL_STUB).splitlines(), _polar_kernels(spec, d)]
     parts.append(_observation_function(d))
     if hardmax_mixed:
         parts.append(_mixing_kernel(d))

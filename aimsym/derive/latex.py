@@ -459,6 +459,8 @@ def reduction_lines(d: Derivation) -> list[str]:
         lines.append(r"Z_{\rm out}(y;\omega,V) &= \sum_{s=\pm 1} \int_{\mathbb R^{" + str(red.integral_dim)
                      + r"}} \mathcal N\big(Z_s(u);\omega,V\big)\, \frac{du}{|\det " + _mix(L - 1) + r"(u)|}")
         return lines
+    if red.kind == "attention-untied":
+        return _untied_lines(d)
     if red.kind == "hardmax-wedge":
         return [r"Z_{\rm out}(y;\omega,V) &= \int_{W_y} \mathcal N(Z;\omega,V)\, dZ"]
     if red.kind == "hardmax-wedge-mixed":
@@ -476,6 +478,29 @@ def reduction_lines(d: Derivation) -> list[str]:
                r"\qquad i = 1, \dots, " + str(len(red.branches))]
     return out + [r"Z_{\rm out}(y;\omega,V) &= \sum_{i} " + integral
                   + r"\mathcal N\big(Z^{(i)};\omega,V\big)\, J^{(i)}" + du]
+
+
+def _untied_lines(d: Derivation) -> list[str]:
+    """Generalised reduction of an untied last layer (symbolic._untied_reduction)."""
+    red = d.reduction
+    L = len(d.spec.layers)
+    names = {tuple(rows): n for n, rows in _blocks(d)}
+    zq = names[(red.solved[0][0],)]
+    zk = names[(red.marginal[0][0],)]
+    M = _mix(L - 1) + "(u)" if L > 1 else "I"
+    b = _times(red.beta)
+    return [
+        rf"\ell_{{ab}} &= \log\frac{{y_{{ab}}}}{{y_{{aa}}}} = {b}q_a (k_b - k_a), \qquad q = {M} {{{zq}}}^\top, \quad "
+        rf"k = {M} {{{zk}}}^\top",
+        rf"R_{{ab}} &= \ell_{{ab}} - \ell_{{a1}} = {b}q_a d_b, \quad d = D k = (k_b - k_1)_{{b \ge 2}}, \qquad "
+        r"R = \hat q\, \hat e^\top \ (|\hat e| = 1,\ \hat e_1 > 0)",
+        r"q &= \hat q / \lambda, \quad d = \lambda \hat e, \qquad \lambda = \pm e^{s + s_0}, \quad "
+        r"s_0 = \tfrac14 \log\big(|\hat q|^2 / T\big)",
+        rf"{{{zq}}}^\top &= {M}^{{-1}} \hat q / \lambda, \qquad F(u)\, {{{zk}}}^\top = \lambda \hat e, \quad F = D {M}",
+        r"Z_{\rm out}(y;\omega,V) &= \sum_{\pm} \int_{\mathbb R^{" + str(red.integral_dim) + r"}} "
+        rf"\mathcal N\big(Z_{{\setminus {zk}}};\omega,V\big)\, \mathcal N\big(\lambda \hat e; F \mu_K, "
+        rf"\sigma_K^2 F F^\top\big)\, \frac{{du\, ds}}{{|\lambda|\, |\det {M}|}}",
+    ]
 
 
 def _short_branches(d: Derivation) -> list[str]:
@@ -545,6 +570,31 @@ def reduction_section(d: Derivation) -> str:
                        r"independent of $\omega$ and $V$, is left out), and " + gout + ".")
         if red.notes:
             out.append("Note: " + "; ".join(_prose(n) for n in red.notes) + ".")
+        return "\n".join(out) + "\n"
+    if red.kind == "attention-untied":
+        lines = reduction_lines(d)
+        names = {tuple(rows): n for n, rows in _blocks(d)}
+        zq, zk = names[(red.solved[0][0],)], names[(red.marginal[0][0],)]
+        free = [n for n, rows in _blocks(d) if rows[0] not in (red.solved[0][0], red.marginal[0][0])]
+        u = ("(" + ", ".join(free) + ")") if free else ""
+        out.append(rf"The last layer is untied, single-head and rank one with softmax activation. $y$ fixes the "
+                   rf"log-ratios $\ell$ and hence the rank-one matrix $R$ of queries times key differences, up to "
+                   rf"the scale $\lambda$:")
+        out.append(_align(lines[:3]))
+        out.append(rf"Given the earlier layers' indices $u = {u} \in \mathbb R^{{{red.integral_dim - 1}}}$ and "
+                   rf"$\lambda$, the query ${zq}$ enters linearly through the square, invertible coefficient and is "
+                   rf"integrated exactly; the key ${zk}$ is Gaussian given the rest and seen only through the "
+                   rf"{d.tokens - 1} differences $F {{{zk}}}^\top$ ($D$: the differences $k_b - k_1$; $F\mathbf 1 = 0$), "
+                   rf"so it is marginalised analytically:")
+        out.append(_align(lines[3:4]))
+        out.append(rf"With $\mu_K$, $\sigma_K^2$ the conditional mean (per token) and variance of ${zk}$ given the "
+                   rf"other rows under $\mathcal N(\omega, V)$, the denoiser is the {red.integral_dim}-dimensional "
+                   rf"integral over $(u, s)$")
+        out.append(_align(lines[4:]))
+        out.append(rf"(the Jacobian of $y \mapsto (\hat q, \hat e)$, independent of $\omega$ and $V$, is left out); "
+                   rf"{gout}, where the posterior moments of ${zk}$ add to its conditional mean given "
+                   rf"$F {{{zk}}}^\top = \lambda\hat e$ the residual covariance "
+                   r"$\sigma_K^2 (I - F^\top (F F^\top)^{-1} F) = \sigma_K^2\, \mathbf 1 \mathbf 1^\top / T$.")
         return "\n".join(out) + "\n"
     if red.kind == "hardmax-wedge":
         z = _blocks(d)[0][0]
@@ -676,6 +726,16 @@ def reduction_detail_lines(d: Derivation, width: float = _WIDTH_SMALL) -> list[s
                 named.append((f"{z_name(k, t, d.p, d.tokens)}^{{({'+-'[i]})}}", e.xreplace(sub)))
         if det is not None:  # log J = -log|det M_{L-1}| on both branches (symbolic._attention_reduction)
             named.append((r"\log J", -sp.log(sp.Abs(det))))
+    elif red.kind == "attention-untied":
+        for i, br in enumerate(red.branches):
+            for (k, t), e in zip(list(red.solved) + list(red.marginal), br):
+                named.append((f"{z_name(k, t, d.p, d.tokens)}^{{({'+-'[i]})}}", e.xreplace(sub)))
+            named.append((f"\\log J^{{({'+-'[i]})}}", red.log_jacobian[i].xreplace(sub)))
+        for a in red.aux:
+            prog.latex_names[a] = "s"
+        for o in red.obs:
+            stem, i = o.name.split("_")
+            prog.latex_names[o] = f"\\hat {stem[0]}_{{{int(i) + 1}}}"
     elif red.branches:
         for i, br in enumerate(red.branches):
             for (k, t), e in zip(red.solved, br):

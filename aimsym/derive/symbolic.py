@@ -60,6 +60,20 @@ class Reduction:
     # the observed quantity as a function of Z (h = M_{L-1} z_L^T), e.g. to bypass y when
     # the output softmax underflows
     obs_from_Z: list[sp.Expr] | None = None
+    # generalised reduction (theory section 3): a Gaussian block seen by the observation only
+    # through a few linear functionals F(u) z_block^T is marginalised analytically. ``marginal``:
+    # its (k, t) entries; the branch fills them with a particular solution of F z^T = observed
+    # functionals, and the driver projects onto the (constant) null space of F with the prior's
+    # conditional mean (``marginal_null``: orthonormal basis, T x n_null). Each branch's
+    # expressions are those of ``solved`` followed by those of ``marginal``.
+    marginal: list[tuple[int, int]] = field(default_factory=list)
+    marginal_null: list[list[float]] | None = None
+    functionals: sp.Matrix | None = None
+    # free slots that are not entries of Z (listed in ``free`` as (-1, -1)), by symbol, e.g. the
+    # log scale s of the key differences (normalised by the branch: unit prior scale around 0)
+    aux: list[sp.Symbol] = field(default_factory=list)
+    # what each step integrated, for derive --json and the LaTeX: [{"block", "how", "dim"}]
+    steps: list[dict] = field(default_factory=list)
 
     @property
     def integral_dim(self) -> int:
@@ -202,6 +216,7 @@ class Derivation:
                 "branches": len(red.branches) if red else None,
                 "reason": self.reduction_reason,
                 "notes": red.notes if red else [],
+                "steps": red.steps if red else [],
             },
             "denoiser_path": "exact" if red is not None else "generic (noisy channel, Delta > 0)",
             "counting": self.counting,
@@ -348,7 +363,7 @@ def _derive(spec: Spec) -> Derivation:
         link = S_L if spec.output == "attention" else M_L
         labels = layout(spec)
         M_prev = layers[-2][1] if len(layers) > 1 else sp.eye(T)
-        reduction, reason = _attention_reduction(spec, M_prev)
+        reduction, reason = _attention_reduction(spec, M_prev, prog)
     else:
         p, T = spec.indices, spec.tokens
         Z = index_matrix(p, T)
@@ -378,7 +393,7 @@ def _derive(spec: Spec) -> Derivation:
 # ----------------------------------------------------------------------------- reduction
 
 
-def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix):
+def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix, prog: Program | None = None):
     last = spec.layers[-1]
     why = []
     if spec.output != "attention":
@@ -387,8 +402,11 @@ def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix):
         why.append(f"last layer rank {last.rank} (needs rank 1)")
     if last.heads != 1:
         why.append(f"last layer has {last.heads} heads (needs 1)")
+    if not last.tied and not why and last.activation == "softmax" and not spec.depth_limit:
+        return _untied_reduction(spec, M_prev, prog or Program())
     if not last.tied:
-        why.append("last layer untied (needs tied query/key)")
+        why.append("last layer untied (needs tied query/key, or an untied softmax last layer whose earlier "
+                   "layers' mixing keeps the all-ones direction)")
     if (last.activation == "hardmax" and not why and len(spec.layers) == 1 and spec.tokens == 2
             and not spec.depth_limit):
         red = Reduction(kind="hardmax-wedge", free=[], solved=[(0, 0), (0, 1)],
@@ -442,6 +460,144 @@ def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix):
         obs_from_Z=list(M_prev * z_last),
     )
     return red, "y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly"
+
+
+def _program_values(prog: Program, exprs, env: dict) -> list[float]:
+    """Numeric values of ``exprs`` (in program intermediates) at the point ``env`` (symbol ->
+    float), evaluating the closure definitions in order (a few points: no compilation)."""
+    env = dict(env)
+    for sym, e in prog.closure(exprs):
+        env[sym] = float(sp.sympify(e).evalf(subs=env))
+    return [float(sp.sympify(e).evalf(subs=env)) for e in exprs]
+
+
+def _untied_reduction(spec: AttentionSpec, M_prev: sp.Matrix, prog: Program):
+    """Generalised reduction for an untied rank-one softmax last layer (theory section 3).
+
+    With q = M(u) z_Q^T and k = M(u) z_K^T (M = M_{L-1}, u the earlier layers' indices), the
+    row softmax of beta q k^T gives l_ab = log(y_ab / y_aa) / beta = q_a (k_b - k_a), hence the
+    rank-one matrix R = q d^T, d = D k = (k_b - k_1)_{b >= 2} (T - 1 key differences). y fixes
+    R = qhat ehat^T up to the scale lambda: q = qhat / lambda, d = lambda ehat (ehat a unit vector).
+    Two blocks are then reduced, each checked here:
+
+    (a) z_Q enters linearly given (u, lambda) through the square coefficient M(u) (invertible:
+        det M >= c^{L-1} for softmax layers): z_Q^T = M^{-1} qhat / lambda, integrated exactly;
+    (b) z_K is Gaussian given (u, z_Q) and seen only through the T - 1 functionals
+        F(u) z_K^T = d, F = D M(u), whose null space is the all-ones direction for every u
+        (M 1 = prod (1 + c_l) 1: checked numerically): marginalised analytically.
+
+    What remains is (u, s) with lambda = +-exp(s + s_ref(qhat)) on two branches, of dimension
+    dim(u) + 1. The weight of a branch at (u, s) is
+        prod_t N(z_t; omega_t, V) |det M|^{-1} |lambda|^{-1} det(F F^T)^{-1/2} (2 pi sigma_K^2)^{1/2}
+    at z_K = its conditional mean given F z_K^T = d (the driver's projection), i.e. the prior of
+    (u, z_Q) times the Gaussian density of d, times the Jacobian |det M|^{-1} |lambda|^{-2} of
+    (z_Q, d) -> (qhat, ehat, lambda), times d lambda = |lambda| ds."""
+    T = spec.tokens
+    L = len(spec.layers)
+    labels = layout(spec)
+    rq = [k for k, lb in enumerate(labels) if lb.layer == L and lb.role == "q"]
+    rk = [k for k, lb in enumerate(labels) if lb.layer == L and lb.role == "k"]
+    if len(rq) != 1 or len(rk) != 1:  # (rank one, single head: checked by the caller)
+        return None, "no exact reduction: untied last layer needs one query and one key row"
+    kq, kk = rq[0], rk[0]
+    last_syms = {index_symbol(k, t) for k in (kq, kk) for t in range(T)}
+    # (a) given u the queries are M(u) z_Q^T with M free of the last layer's indices
+    dep = set()
+    for e in M_prev:
+        dep |= sp.sympify(e).free_symbols
+    for _, e in prog.closure(list(M_prev)):
+        dep |= e.free_symbols
+    if dep & last_syms:
+        return None, "no exact reduction: the earlier layers' mixing depends on the last layer's indices"
+    # (b) the null space of F = D M(u) is the all-ones direction at random u (M 1 proportional to 1)
+    rng = np.random.default_rng(7)
+    earlier = [index_symbol(k, t) for k in range(len(labels)) if k not in (kq, kk) for t in range(T)]
+    pars = [sp.Symbol(n, real=True) for n in spec.parameters()]
+    for _ in range(3):
+        env = {z: float(rng.standard_normal()) for z in earlier}
+        env.update({q: float(rng.uniform(0.5, 2.0)) for q in pars})
+        Mv = np.array(_program_values(prog, list(M_prev), env)).reshape(T, T) if L > 1 else np.eye(T)
+        rs = Mv.sum(axis=1)
+        if not np.allclose(rs, rs[0], rtol=1e-9, atol=1e-12):
+            return None, ("no exact reduction: untied last layer, but the earlier layers' mixing does not keep the "
+                          "all-ones direction (the key differences' null space depends on u)")
+    qh = [sp.Symbol(f"qhat_{a}", real=True) for a in range(T)]
+    eh = [sp.Symbol(f"ehat_{b}", real=True) for b in range(T - 1)]
+    s = sp.Symbol("_s", real=True)
+    # s_ref balances |q| and |d| (lambda^2 ~ rms qhat): s is then O(1) at typical points
+    s_ref = sp.log(sp.Add(*[x ** 2 for x in qh]) / T) / 4
+    if L > 1:
+        det, adj = det_adjugate(M_prev)
+    else:
+        det, adj = sp.Integer(1), sp.eye(T)
+    Dm = sp.Matrix(T - 1, T, lambda b, t: (1 if t == b + 1 else 0) - (1 if t == 0 else 0))
+    F = Dm * M_prev
+    FF = F * F.T
+    det_FF = det_adjugate(FF)[0] if T > 2 else FF[0, 0]
+    branches, logj = [], []
+    for sgn in (1, -1):
+        lam = sgn * sp.exp(s + s_ref)
+        zq = adj * sp.Matrix(qh) / (det * lam)
+        zk = adj * sp.Matrix([0] + [lam * e for e in eh]) / det  # one solution of F z_K^T = lambda ehat
+        branches.append(list(zq) + list(zk))
+        logj.append(-sp.log(sp.Abs(det)) - s - s_ref - sp.log(det_FF) / 2)
+    free = [(k, t) for k in range(len(labels)) if k not in (kq, kk) for t in range(T)] + [(-1, -1)]
+    null = [[1.0 / np.sqrt(T)] for _ in range(T)]
+    # the observation from Z (exact where y underflows): R = q d^T, ehat = sign(d_1) d / |d|
+    zQ = sp.Matrix([index_symbol(kq, t) for t in range(T)])
+    zK = sp.Matrix([index_symbol(kk, t) for t in range(T)])
+    q = M_prev * zQ
+    dk = Dm * (M_prev * zK)
+    if T == 2:
+        obs_Z = [q[a] * dk[0] for a in range(T)] + [sp.Integer(1)]
+    else:
+        nrm = sp.sqrt(sp.Add(*[x ** 2 for x in dk]))
+        obs_Z = [q[a] * sp.sign(dk[0]) * nrm for a in range(T)] + [sp.sign(dk[0]) * x / nrm for x in dk]
+    n_u = len(free) - 1
+    steps = [
+        {"block": f"z_{kq} (last layer's query, W_Q)", "how": "integrated exactly: linear given u and lambda, "
+         "z_Q^T = M_{L-1}(u)^{-1} qhat / lambda (square, invertible coefficient)", "dim": T},
+        {"block": f"z_{kk} (last layer's key, W_K)", "how": f"marginalised analytically: Gaussian, seen only "
+         f"through the {T - 1} differences D M_{{L-1}}(u) z_K^T = lambda ehat; the all-ones direction keeps "
+         "its conditional prior", "dim": T},
+        {"block": "lambda (scale of q vs the key differences)", "how": "integrated numerically as s = log|lambda| "
+         "- s_ref on two sign branches", "dim": 1},
+        {"block": "u (earlier layers' indices)", "how": "integrated numerically", "dim": n_u},
+    ]
+    notes = [
+        f"y = softmax(beta q k^T) gives R = q d^T (d = k_b - k_1): y fixes qhat = R ehat and the unit ehat; "
+        "q = qhat / lambda, d = lambda ehat",
+        f"reduced integral over u ({n_u} earlier-layer indices) and s = log|lambda| - s_ref on the two signs "
+        f"of lambda: k = {n_u + 1}",
+        "posterior moments of z_K include its residual conditional covariance along the all-ones direction",
+    ]
+    if any(ly.activation == "hardmax" or not ly.tied for ly in spec.layers[:-1]):
+        notes.append("det M_{L-1} may vanish for hardmax or untied earlier layers (c I + S, S not a softmax of a Gram "
+                     "matrix): the weight tends to 0 there (z_Q grows like 1/det), points with det M_{L-1} = 0 "
+                     "have zero weight")
+    if any(isinstance(ly.skip, float) and ly.skip <= 0 for ly in spec.layers[:-1]):
+        notes.append("skip <= 0: M_{L-1} can be singular")
+    red = Reduction(
+        kind="attention-untied",
+        free=free,
+        solved=[(kq, t) for t in range(T)],
+        obs=qh + eh,
+        branches=branches,
+        log_jacobian=logj,
+        mixing=M_prev,
+        det_mixing=det,
+        activation="softmax",
+        beta=param_symbol(spec.layers[-1].beta),
+        notes=notes,
+        obs_from_Z=obs_Z,
+        marginal=[(kk, t) for t in range(T)],
+        marginal_null=null,
+        functionals=F,
+        aux=[s],
+        steps=steps,
+    )
+    return red, ("untied softmax last layer: y fixes q d^T (d: key differences); query integrated exactly, "
+                 f"key marginalised analytically down to d; reduced integral of dimension {n_u + 1}")
 
 
 def _first_layer_rank1_tied(spec: AttentionSpec) -> bool:

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from scipy.stats import norm, qmc
 
+from ..denoise.channel import MODAL_ONLY
 from ..errors import AimsymError, ConvergenceWarning
 from ..provenance import provenance
 
@@ -49,6 +50,10 @@ SE_POLAR = (8, 24)
 # which moved perfect recovery below the counting bound. SE_TOL is two orders below the SE's
 # relative replica errors (>= 1e-3 at the default samples)
 SE_TOL = 1e-4
+# exact paths served by the mode-centred rule alone (channel.MODAL_ONLY): its tol and region
+# budget in SE (untied two layers, T = 2: about 1e-3 on g_out at ~1 s per sample)
+SE_MODAL_TOL = 1e-3
+SE_MODAL_REGIONS = 10_000
 MAX_CONTROLLED_DIM = 2
 # where every direction of V is below MODAL_BELOW (near perfect recovery) the SE's denoiser is the
 # mode-centred rule at SE_TOL, for every reduced dimension: the posterior there is close to its
@@ -298,7 +303,11 @@ def denoiser_accuracy(model, nodes=None, polar=None) -> dict:
     # rescued by the mode-centred rule at ~10-100 ms per sample); at k >= 3 the mode-centred rule
     # costs seconds per sample and the SE runs the fixed rule, its error unestimated (the
     # result's diagnostics say so)
-    if 0 < dim <= MAX_CONTROLLED_DIM and getattr(model.kernels, "PATH", "") not in (
+    if getattr(getattr(model, "kernels", None), "PATH", "") in MODAL_ONLY:
+        # only the mode-centred rule carries a marginalised block: at the SE's Monte Carlo scale
+        # (a few % at hundreds of points) a loose tol and a small budget suffice
+        out = {"tol": SE_MODAL_TOL, "max_regions": SE_MODAL_REGIONS}
+    elif 0 < dim <= MAX_CONTROLLED_DIM and getattr(model.kernels, "PATH", "") not in (
             "noisy", "halfspace", "hardmax-wedge", "hardmax-wedge-mixed"):
         out["tol"] = SE_TOL
     return out
