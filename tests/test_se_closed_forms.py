@@ -110,7 +110,7 @@ def test_two_layer_fixed_point_structure():
     res = se.state_evolution(model, 0.5, samples=1024, replicas=8, errors=True, tol=1e-3)
     assert res.Q[0, 0] < 1e-3 and 0.6 < res.Q[1, 1] < 0.9
     assert np.allclose(res.Q, res.Q.T)
-    assert res.errors["prediction"]["bayes_optimal"] <= res.errors["prediction"]["plug_in"] + 0.01
+    assert res.errors["prediction"].bayes_optimal <= res.errors["prediction"].plug_in + 0.01
     assert np.isfinite(res.free_entropy)
 
 

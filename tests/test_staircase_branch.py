@@ -42,8 +42,8 @@ class FakeBranch:
         a, r = float(self.alpha(q)), float(self.rho(q))
         Q = np.zeros((2, 2))
         Q[k, k] = q
-        op = {"F": np.array([[r]]), "F_stderr": np.zeros((1, 1)), "rho": r, "rho_stderr": 0.0,
-              "rho_loo": np.full(R, r), "direction": np.ones((1, 1)), "block": list(P)}
+        op = th.Operator(F=np.array([[r]]), F_stderr=np.zeros((1, 1)), rho=r, rho_stderr=0.0,
+                         rho_loo=np.full(R, r), direction=np.ones((1, 1)), block=list(P), invariant_block=[0])
         return {"q": q, "alpha": a, "alpha_loo": np.full(R, a), "op": op, "f": a * r - 1.0,
                 "f_loo": np.full(R, a * r - 1.0), "Q": Q}
 

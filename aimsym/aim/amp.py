@@ -20,9 +20,8 @@ eigenbasis), a joint output step per sample, and A = -(1/N) sum_mu Tr(G_mu dg_mu
 Gram G_mu = [<X_k, X_l>] and N = d(d+1)/2.
 
 Tracked per iteration: the true error ||S_hat - S||_F^2 / d and the predicted V = m(Delta).
-At finite d both forms sit above the SE mmse by b/d (relative b/SE ~ 6 at alpha = 0.1, ~9 at 0.15
-for softmax T = 2, rho = 0.5); the d -> infinity extrapolation equals the SE (``finite_size_*``
-below, docs/aim.md section 4). Part of b is the Bayes error's own (d(d+1)/2 coordinates: with a
+At finite d both forms sit above the SE mmse by b/d; the d -> infinity extrapolation equals the
+SE (``aimsym.studies.aim_finite_size``; measured b: docs/aim.md section 4). Part of b is the Bayes error's own (d(d+1)/2 coordinates: with a
 Gaussian prior GAMP equals the exact finite-d Bayes estimator, ``gaussian_posterior_mean``), part
 is the non-semicircular law of GAMP's effective noise under rank-one sensing, which the RIE
 (built for GOE noise) does not model (``prior_step_finite_size``). ``run(..., noise_law="compound")``
@@ -34,12 +33,14 @@ RIE is stationary in it), so it does not remove that part.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..blas import limit_blas_threads
 from ..errors import AimsymError
 from ..provenance import provenance
+from ..results import Result
 from .channels import entry_weights, make_channel, pairs, to_vector
 from .compound import compound_noise, rie_map_compound
 from .data import AIMData, check_size, generate, index_matrices, sensed_index, teacher  # noqa: F401 (re-exported)
@@ -285,17 +286,17 @@ def _joint_output(ch, y, h0, null, omega, Sigma):
 def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=80, damping=None,
         tol=1e-7, rho=None, onsager=None, variance="divergence", max_damping=0.95,
         noise_ratio_max=2.5, blas_threads=1, noise_law="semicircle"):
-    """GAMP-RIE on ``data``. Returns a dict with the per-iteration history and final errors.
+    """GAMP-RIE on ``data``: a :class:`GAMPRun` with the per-iteration history and final errors.
 
     ``onsager`` (None = "isotropic"): both forms reach the same fixed point (docs/aim.md section 4);
-    the isotropic one is 2-3x cheaper per iteration. For hardmax the exact form's output step loops
+    the isotropic one is cheaper per iteration (docs/tuning.md). For hardmax the exact form's output step loops
     over samples (channels.bvn_log_derivatives takes one correlation per call).
     ``onsager="exact"``: per-sample reaction and variance matrices
     Sigma_mu = tau_r [<X_k, J[X_l]>]_{kl} from the Jacobian J of the RIE map at the last R, and a
     joint output step per sample (the T(T+1)/2 entries of one sample share the tokens x_a);
     the first step uses the prior, Sigma_mu = tau_x G_mu with the exact Gram G_mu = [<X_k, X_l>].
-    Default damping 0; at d >= 100 it converges undamped where the isotropic form diverges, at
-    smaller d (e.g. 60) it can limit-cycle and damping 0.3 helps.
+    Default damping 0: it converges undamped where the isotropic form diverges; at small d it can
+    limit-cycle, and some damping helps (docs/tuning.md).
     ``onsager="isotropic"``: the textbook form Sigma = diag(w V) for every sample; needs damping
     (default 0.5) and the safeguard below with the model's rank-one sensing matrices.
 
@@ -312,8 +313,7 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
     rank-one terms (1/A) sum g.X actually present at finite d (``compound``), with the measured
     jumps (``noise_jumps``) rescaled to variance Delta; rank-one sensing only. Both laws tend to the
     same semicircle as d -> infinity; at finite d "compound" lowers the error by a 1/d^2 term only
-    (alpha = 0.1: 0.0031 at d = 100, 0.0014 at d = 150) and is unstable at alpha = 0.05, d = 100
-    (docs/aim.md section 4): an opt-in diagnostic.
+    and can be unstable (docs/tuning.md, docs/aim.md section 4): an opt-in diagnostic.
     ``blas_threads``: OpenBLAS threads during the run (None leaves the setting alone); one thread,
     because small products on shared cores only contend (docs/tuning.md).
     """
@@ -428,19 +428,57 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
         if V < 1e-10 or abs(V - V_old) < tol * max(V, 1e-12):
             break
     elapsed = time.perf_counter() - t0
-    return {
-        "mmse": float(np.sum((S_hat - S) ** 2) / d),
-        "V": float(V),
-        "iterations": len(history),
-        "rejected_steps": rejected,
-        "unstable": unstable,
-        "final_damping": damping,
-        "onsager": onsager,
-        "noise_law": noise_law,
-        "seconds_per_iteration": elapsed / max(1, len(history) + rejected),
-        "history": history,
-        "S_hat": S_hat,
-    }
+    return GAMPRun(
+        mmse=float(np.sum((S_hat - S) ** 2) / d),
+        V=float(V),
+        iterations=len(history),
+        rejected_steps=rejected,
+        unstable=unstable,
+        final_damping=damping,
+        onsager=onsager,
+        noise_law=noise_law,
+        seconds_per_iteration=elapsed / max(1, len(history) + rejected),
+        history=history,
+        S_hat=S_hat,
+    )
+
+
+@dataclass
+class GAMPRun(Result):
+    """One GAMP-RIE run: final error ||S_hat - S||^2 / d and predicted V, the iteration count
+    (accepted and rejected steps), flags, the per-iteration ``history`` and the estimate S_hat."""
+
+    mmse: float
+    V: float
+    iterations: int
+    rejected_steps: int
+    unstable: bool
+    final_damping: float
+    onsager: str
+    noise_law: str
+    seconds_per_iteration: float
+    history: list
+    S_hat: np.ndarray
+
+
+@dataclass
+class AMPPoint(Result):
+    """GAMP-RIE at one alpha over seeds: mean and standard error of the final mmse, the SE value."""
+
+    alpha: float
+    rho: float
+    d: int
+    tokens: int
+    activation: str
+    beta: float
+    mmse: float
+    mmse_sem: float | None
+    mmse_runs: list
+    mmse_se: float
+    seconds_per_iteration: float
+    iterations_runs: list
+    unstable_runs: int
+    provenance: dict
 
 
 def run_many(alpha, rho, d, tokens=2, activation="softmax", beta=1.0, seeds=(0,), iterations=80,
@@ -454,22 +492,20 @@ def run_many(alpha, rho, d, tokens=2, activation="softmax", beta=1.0, seeds=(0,)
         data = generate(d, alpha, rho, tokens, activation, beta, seed=seed)
         rho_eff = data.rho
         out = run(data, tokens, activation, beta, iterations=iterations, damping=damping, onsager=onsager)
-        errs.append(out["mmse"])
-        secs.append(out["seconds_per_iteration"])
-        its.append(out["iterations"])
-        flags.append(bool(out["unstable"]))
+        errs.append(out.mmse)
+        secs.append(out.seconds_per_iteration)
+        its.append(out.iterations)
+        flags.append(bool(out.unstable))
     errs = np.array(errs)
     sem = float(errs.std(ddof=1) / np.sqrt(len(errs))) if len(errs) > 1 else None
     se_res = se.solve(alpha, rho_eff, tokens, activation, beta)
-    return {
-        "alpha": float(alpha), "rho": float(rho_eff), "d": int(d), "tokens": int(tokens),
-        "activation": activation, "beta": float(beta),
-        "mmse": float(errs.mean()), "mmse_sem": sem, "mmse_runs": errs.tolist(),
-        "mmse_se": se_res.mmse, "seconds_per_iteration": float(np.mean(secs)),
-        "iterations_runs": its, "unstable_runs": int(sum(flags)),
-        "provenance": provenance(seed=list(seeds), accuracy={"iterations": iterations, "damping": damping,
-                                                             "onsager": onsager}),
-    }
+    return AMPPoint(
+        alpha=float(alpha), rho=float(rho_eff), d=int(d), tokens=int(tokens), activation=activation,
+        beta=float(beta), mmse=float(errs.mean()), mmse_sem=sem, mmse_runs=errs.tolist(), mmse_se=se_res.mmse,
+        seconds_per_iteration=float(np.mean(secs)), iterations_runs=its, unstable_runs=int(sum(flags)),
+        provenance=provenance(seed=list(seeds), accuracy={"iterations": iterations, "damping": damping,
+                                                          "onsager": onsager}),
+    )
 
 
 def to_matrix_from_vector(y, tokens):

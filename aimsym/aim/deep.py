@@ -23,12 +23,15 @@ as a diagnostic.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from scipy.special import logsumexp
 from scipy.stats import norm, qmc
 
 from ..errors import AimsymError
 from ..provenance import provenance
+from ..results import Result
 from .channels import to_matrix
 from .spectral import prior_second_moment, rie_mmse
 
@@ -153,6 +156,30 @@ def information(q1, q2, rho1, rho2, channel: TwoLayerChannel, *, n_outer=2048, n
     return est.mean(0), sem
 
 
+@dataclass
+class TwoLayerSEPoint(Result):
+    """Two-layer AIM state evolution at one alpha: overlaps, mmse and conjugates per layer, the
+    QMC errors of the information, the iteration history."""
+
+    alpha: float
+    rho1: float
+    rho2: float
+    skip: float
+    beta: float
+    q1: float
+    q2: float
+    mmse1: float
+    mmse2: float
+    q_hat1: float
+    q_hat2: float
+    information_sem: list
+    cross_information: float
+    cross_information_sem: float
+    iterations: int
+    history: list
+    provenance: dict
+
+
 def state_evolution(alpha, rho1=0.5, rho2=0.5, skip=1.0, beta=1.0, *, damping=0.3, tol=1e-4,
                     max_iter=200, n_inner=10, n_outer=2048, n_scrambles=4, seed=0):
     """Two-layer SE from the uninformed start (q_l = rho_l). Returns q, mmse per layer."""
@@ -175,12 +202,12 @@ def state_evolution(alpha, rho1=0.5, rho2=0.5, skip=1.0, beta=1.0, *, damping=0.
             q = q_next
             break
         q = q_next
-    return {
-        "alpha": alpha, "rho1": rho1, "rho2": rho2, "skip": skip, "beta": beta,
-        "q1": q[0], "q2": q[1], "mmse1": Q01 - q[0], "mmse2": Q02 - q[1],
-        "q_hat1": alpha * info[0], "q_hat2": alpha * info[1],
-        "information_sem": sem[:2].tolist(), "cross_information": info[2], "cross_information_sem": sem[2],
-        "iterations": it, "history": hist,
-        "provenance": provenance(seed=seed, accuracy={"n_inner": n_inner, "n_outer": n_outer,
-                                                     "n_scrambles": n_scrambles, "tol": tol}),
-    }
+    return TwoLayerSEPoint(
+        alpha=alpha, rho1=rho1, rho2=rho2, skip=skip, beta=beta,
+        q1=q[0], q2=q[1], mmse1=Q01 - q[0], mmse2=Q02 - q[1],
+        q_hat1=alpha * info[0], q_hat2=alpha * info[1],
+        information_sem=sem[:2].tolist(), cross_information=info[2], cross_information_sem=sem[2],
+        iterations=it, history=hist,
+        provenance=provenance(seed=seed, accuracy={"n_inner": n_inner, "n_outer": n_outer,
+                                                   "n_scrambles": n_scrambles, "tol": tol}),
+    )

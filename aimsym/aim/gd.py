@@ -9,10 +9,13 @@ initialisations on the same data (approaches the Bayes-optimal error, which is a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..errors import AimsymError
 from ..provenance import provenance
+from ..results import Result
 from .data import generate
 
 
@@ -64,6 +67,26 @@ def adam(W, X, Y, *, beta=1.0, activation="softmax", steps=3000, lr=0.02, b1=0.9
     return W, loss
 
 
+@dataclass
+class GDPoint(Result):
+    """Adam at one alpha over seeds: mmse of single runs (gd) and of their average (agd), with
+    standard errors, the final training loss and the SE value."""
+
+    alpha: float
+    rho: float
+    d: int
+    tokens: int
+    activation: str
+    beta: float
+    mmse_gd: float
+    mmse_gd_sem: float | None
+    mmse_agd: float
+    mmse_agd_sem: float | None
+    train_loss: float
+    mmse_se: float
+    provenance: dict
+
+
 def run_many(alpha, rho, d, tokens=2, activation="softmax", beta=1.0, seeds=(0,), steps=3000,
              lr=0.02, runs=4):
     """For each data seed: ``runs`` Adam runs from independent inits; mean single-run error (GD)
@@ -98,12 +121,10 @@ def run_many(alpha, rho, d, tokens=2, activation="softmax", beta=1.0, seeds=(0,)
     def sem(x):
         return float(np.std(x, ddof=1) / np.sqrt(len(x))) if len(x) > 1 else None
 
-    return {
-        "alpha": float(alpha), "rho": float(rho_eff), "d": int(d), "tokens": int(tokens),
-        "activation": activation, "beta": float(beta),
-        "mmse_gd": float(np.mean(gd_err)), "mmse_gd_sem": sem(gd_err),
-        "mmse_agd": float(np.mean(agd_err)), "mmse_agd_sem": sem(agd_err),
-        "train_loss": float(np.mean(train_loss)),
-        "mmse_se": se.solve(alpha, rho_eff, tokens, activation, beta).mmse,
-        "provenance": provenance(seed=list(seeds), accuracy={"steps": steps, "lr": lr, "runs": runs}),
-    }
+    return GDPoint(
+        alpha=float(alpha), rho=float(rho_eff), d=int(d), tokens=int(tokens), activation=activation,
+        beta=float(beta), mmse_gd=float(np.mean(gd_err)), mmse_gd_sem=sem(gd_err),
+        mmse_agd=float(np.mean(agd_err)), mmse_agd_sem=sem(agd_err), train_loss=float(np.mean(train_loss)),
+        mmse_se=se.solve(alpha, rho_eff, tokens, activation, beta).mmse,
+        provenance=provenance(seed=list(seeds), accuracy={"steps": steps, "lr": lr, "runs": runs}),
+    )

@@ -19,6 +19,7 @@ from scipy.optimize import brentq
 
 from ..errors import AimsymError
 from ..provenance import provenance
+from ..results import Result
 from .channels import (
     HardmaxChannel,
     counting_constant,
@@ -280,6 +281,17 @@ def small_width_alpha_bar_c(tokens=2) -> float:
     return 1.0 / (2.0 * small_width_information_closed_form())
 
 
+@dataclass
+class SmallWidthPoint(Result):
+    """Fixed point of the rescaled small-width SE (hardmax, rho -> 0) at one alpha_bar."""
+
+    alpha_bar: float
+    q: float
+    t: float
+    mmse: float
+    iterations: int
+
+
 def small_width_se(alpha_bar, *, init="uninformed", tol=1e-12, max_iter=5000, channel=None, tokens=2):
     """Rescaled SE for rho -> 0 (alpha = alpha_bar rho, q_hat = rho / t):
     q = [max(1 - t, 0)]^2, t = 1 / (2 alpha_bar E[G^2](q)), E[G^2] at V = 1 - q; mmse = t (2 - t)
@@ -299,7 +311,7 @@ def small_width_se(alpha_bar, *, init="uninformed", tol=1e-12, max_iter=5000, ch
             break
         q = q_new
     t_eff = min(t, 1.0)
-    return {"alpha_bar": alpha_bar, "q": q, "t": t, "mmse": t_eff * (2.0 - t_eff), "iterations": it}
+    return SmallWidthPoint(alpha_bar=alpha_bar, q=q, t=t, mmse=t_eff * (2.0 - t_eff), iterations=it)
 
 
 def small_width_alpha_bar_c_numeric(tol=1e-10, tokens=2):
@@ -313,7 +325,22 @@ def small_width_alpha_bar_c_numeric(tol=1e-10, tokens=2):
     return brentq(f, 1e-3, 1e3, xtol=tol)
 
 
-def thresholds(tokens, rho, activation="softmax", beta=1.0) -> dict:
+@dataclass
+class AIMThresholds(Result):
+    """Perfect- and weak-recovery thresholds of the attention-indexed model (see :func:`thresholds`);
+    ``perfect_recovery_numeric`` only where perfect recovery exists (softmax, linear)."""
+
+    tokens: int
+    rho: float
+    activation: str
+    perfect_recovery: float | None
+    perfect_recovery_numeric: float | None
+    weak_recovery: dict | None
+    provenance: dict
+    OPTIONAL = ("perfect_recovery_numeric",)
+
+
+def thresholds(tokens, rho, activation="softmax", beta=1.0) -> AIMThresholds:
     """Perfect-recovery and weak-recovery thresholds (alpha = n / d^2).
 
     softmax/linear: perfect recovery by counting (and located numerically from the spectral
@@ -323,19 +350,18 @@ def thresholds(tokens, rho, activation="softmax", beta=1.0) -> dict:
     """
     _check(0.0, rho)
     make_channel(activation, tokens, beta)
-    out = {"tokens": int(tokens), "rho": float(rho), "activation": activation}
+    pr = pr_numeric = weak = None
     if activation in ("softmax", "linear"):
-        out["perfect_recovery"] = perfect_recovery_counting(rho, tokens, activation)
-        out["perfect_recovery_numeric"] = perfect_recovery_numeric(rho, tokens, activation)
-        out["weak_recovery"] = None
+        pr = perfect_recovery_counting(rho, tokens, activation)
+        pr_numeric = perfect_recovery_numeric(rho, tokens, activation)
     else:
         ab = small_width_alpha_bar_c(tokens)
-        out["perfect_recovery"] = None
-        out["weak_recovery"] = {
+        weak = {
             "alpha": float(rho) * ab,
             "alpha_bar": ab,
             "alpha_bar_numeric": small_width_alpha_bar_c_numeric(tokens=tokens),
             "regime": "small width rho -> 0 (alpha = rho * alpha_bar); a crossover at finite rho",
         }
-    out["provenance"] = provenance(accuracy={"richardson_Delta": 1e-6})
-    return out
+    return AIMThresholds(tokens=int(tokens), rho=float(rho), activation=activation, perfect_recovery=pr,
+                         perfect_recovery_numeric=pr_numeric, weak_recovery=weak,
+                         provenance=provenance(accuracy={"richardson_Delta": 1e-6}))

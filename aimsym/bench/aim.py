@@ -67,7 +67,7 @@ def bench_amp(d=150, alpha=0.1, iterations=30, onsager="isotropic"):
     box = {}
     wall, cpu = _timed(lambda: box.update(out=amp.run(data, 2, "softmax", iterations=iterations, tol=0.0,
                                                       onsager=onsager)))
-    n = box["out"]["iterations"] + box["out"]["rejected_steps"]
+    n = box["out"].iterations + box["out"].rejected_steps
     return wall / n, cpu / n, n
 
 

@@ -130,11 +130,11 @@ def _final_points(model, alphas, *, d, seeds, seed, lam, max_iter, tol=1e-4, den
             rows.append({"alpha": float(a), "error": str(exc)})
             print(json.dumps({"amp_point": model.name, **rows[-1]}), flush=True)
             continue
-        rows.append({"alpha": float(a), "M": np.diag(r["final"]["M"]).tolist(),
-                     "M_stderr": np.diag(r["final"]["M_stderr"]).tolist(),
-                     "M_per_seed": [np.diag(x).tolist() for x in r["final"]["M_per_seed"]],
-                     "Q": np.diag(r["final"]["Q"]).tolist(),
-                     "iterations_per_seed": r["iterations_per_seed"], "converged": r["converged"]})
+        rows.append({"alpha": float(a), "M": np.diag(r.final["M"]).tolist(),
+                     "M_stderr": np.diag(r.final["M_stderr"]).tolist(),
+                     "M_per_seed": [np.diag(x).tolist() for x in r.final["M_per_seed"]],
+                     "Q": np.diag(r.final["Q"]).tolist(),
+                     "iterations_per_seed": r.iterations_per_seed, "converged": r.converged})
         print(json.dumps({"amp_point": model.name, **rows[-1]}), flush=True)
     return rows
 
@@ -168,9 +168,9 @@ def figures(outdir, model_path, only=FIGURES) -> int:
         res = run_amp(model, d=1000, alpha=alpha, seeds=4, seed=1, lam=lam, max_iter=iters, tol=0.0)
         se = _se_trajectory(model, alpha, lam, iters)
         fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
-        t = np.arange(len(res["overlaps"]["M"]))
+        t = np.arange(len(res.overlaps["M"]))
         for k, c in zip(range(model.p), ("C0", "C3")):
-            ax.errorbar(t + 1, res["overlaps"]["M"][:, k, k], yerr=res["overlaps"]["M_stderr"][:, k, k], fmt="o",
+            ax.errorbar(t + 1, res.overlaps["M"][:, k, k], yerr=res.overlaps["M_stderr"][:, k, k], fmt="o",
                         ms=3, color=c, label=f"AMP layer {k + 1} (d=1000, 4 seeds)")
             ax.plot(np.arange(len(se)) + 1, se[:, k, k], "-", color=c, lw=1, label=f"SE layer {k + 1}")
         ax.set(xscale="log", xlabel="iteration + 1", ylabel="overlap M_ll", ylim=(-0.05, 1.1),
@@ -178,8 +178,8 @@ def figures(outdir, model_path, only=FIGURES) -> int:
         ax.title.set_fontsize(8)
         ax.legend(fontsize=7)
         _save(fig, os.path.join(outdir, "amp_L2_T2_iterations.png"))
-        summary["iterations"] = {"L2_T2_final_M": np.diag(res["final"]["M"]).tolist(),
-                                 "L2_T2_final_M_stderr": np.diag(res["final"]["M_stderr"]).tolist(),
+        summary["iterations"] = {"L2_T2_final_M": np.diag(res.final["M"]).tolist(),
+                                 "L2_T2_final_M_stderr": np.diag(res.final["M_stderr"]).tolist(),
                                  "SE_final_Q": np.diag(se[-1]).tolist()}
 
     if "gd" in only:
@@ -195,7 +195,7 @@ def figures(outdir, model_path, only=FIGURES) -> int:
             Q = q_hat / (1 + q_hat)
             se_g.append(Q)
         fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
-        ax.errorbar(np.arange(9), rg["overlaps"]["M"][:, 0, 0], yerr=rg["overlaps"]["M_stderr"][:, 0, 0], fmt="o",
+        ax.errorbar(np.arange(9), rg.overlaps["M"][:, 0, 0], yerr=rg.overlaps["M_stderr"][:, 0, 0], fmt="o",
                     label="AMP, Gaussian channel Delta=0.5, alpha=0.8 (d=2000, 4 seeds)")
         ax.plot(np.arange(9), se_g, "-", label="SE (closed form)")
         ax.set(xlabel="iteration", ylabel="overlap M")
@@ -291,8 +291,8 @@ def _gd_figure(model, outdir):
     out = {}
     for alpha, style in ((16, "o-"), (8, "--")):
         g = run_gd(model, d=200, alpha=alpha, seeds=3, seed=1, optimizer="adam", lr=0.03, epochs=1000)
-        e = np.asarray(g["epochs_logged"])
-        ov, se = g["overlaps"]["layer"], g["overlaps"]["layer_stderr"]
+        e = np.asarray(g.epochs_logged)
+        ov, se = g.overlaps["layer"], g.overlaps["layer_stderr"]
         for k, c in zip(range(ov.shape[1]), ("C0", "C3")):
             ax.errorbar(e + 1, ov[:, k], yerr=se[:, k], fmt=style, ms=2.5, lw=1, color=c,
                         alpha=1.0 if alpha == 16 else 0.6, label=f"layer {k + 1}, alpha={alpha}")

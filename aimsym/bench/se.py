@@ -62,7 +62,7 @@ def main(argv=None):
           f"({r.iterations} it) {time.perf_counter() - t:.1f} s", flush=True)
     t = time.perf_counter()
     th = thresholds.initial_threshold(m, samples=1 << 16)
-    print(f"alpha_c L2_T2 skip=1: {th['alpha']:.4f}±{th['stderr']:.4f} {time.perf_counter() - t:.1f} s", flush=True)
+    print(f"alpha_c L2_T2 skip=1: {th.alpha:.4f}±{th.stderr:.4f} {time.perf_counter() - t:.1f} s", flush=True)
     if args.figure:
         run_figure(args.figures, args.data)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")

@@ -76,7 +76,7 @@ def _cmd_se(args) -> int:
     if args.small_width:
         if args.activation != "hardmax" or args.tokens not in (2, 3):
             raise AimsymError("--small-width", "only for --activation hardmax --tokens 2 or 3")
-        rows = [dict(se.small_width_se(a, init=args.init, tokens=args.tokens)) for a in alphas]
+        rows = [se.small_width_se(a, init=args.init, tokens=args.tokens).to_json() for a in alphas]
         for r in rows:
             r["provenance"] = provenance(accuracy={"tol": 1e-12})
     elif args.method == "iterate":
@@ -96,7 +96,7 @@ def _cmd_thresholds(args) -> int:
 
         print_json(out)
     else:
-        for k, v in out.items():
+        for k, v in out.to_json().items():
             if k != "provenance":
                 print(f"{k}: {v}")
     return 0

@@ -68,6 +68,8 @@ def _nan_to_none(obj):
     """Standard JSON has no NaN: standard errors of a single seed become null."""
     import numpy as np
 
+    if hasattr(obj, "to_json"):
+        return _nan_to_none(obj.to_json())
     if isinstance(obj, dict):
         return {k: _nan_to_none(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
@@ -108,14 +110,14 @@ def _run_amp(args) -> int:
     res = run_amp(model, d=args.d, alpha=args.alpha, seeds=args.seeds, seed=args.seed, lam=args.lam,
                   damping=args.damping, max_iter=args.max_iter, tol=args.tol, init_scale=args.init_scale,
                   n_test=args.n_test, nodes=args.nodes, progress=not args.quiet and sys.stderr.isatty())
-    M, se = res["final"]["M"], res["final"]["M_stderr"]
+    M, se = res.final["M"], res.final["M_stderr"]
     lines = [f"GAMP {model.name} {model.parameters} d={args.d} alpha={args.alpha} seeds={args.seeds}: "
-             f"{res['iterations']} iterations, converged {res['converged']}",
+             f"{res.iterations} iterations, converged {res.converged}",
              "iter  " + "  ".join(f"M[{k},{k}]" for k in range(model.p)) + "  test_error"]
-    for t, (Mt, e) in enumerate(zip(res["overlaps"]["M"], res["test_error"]["mean"])):
+    for t, (Mt, e) in enumerate(zip(res.overlaps["M"], res.test_error["mean"])):
         lines.append(f"{t:4d}  " + "  ".join(f"{Mt[k, k]:+.4f}" for k in range(model.p)) + f"  {e:.5f}")
     lines.append("final M (mean +- s.e.): " + "; ".join(f"{M[k, k]:.4f} +- {se[k, k]:.4f}" for k in range(model.p)))
-    t = res["timing"]
+    t = res.timing
     lines.append(f"time: denoiser {t['denoiser_s']:.2f} s, linear algebra {t['linear_algebra_s']:.2f} s "
                  f"over {t['iterations']} iterations")
     _emit(args, res, lines)
@@ -131,12 +133,12 @@ def _run_gd(args) -> int:
                  lr=args.lr, epochs=args.epochs, batch_size=args.batch_size, weight_decay=args.weight_decay,
                  init_scale=args.init_scale, average=args.average, n_test=args.n_test,
                  progress=not args.quiet and sys.stderr.isatty())
-    ov, se = res["final"]["overlap"], res["final"]["overlap_stderr"]
+    ov, se = res.final["overlap"], res.final["overlap_stderr"]
     lines = [f"{args.optimizer} {model.name} {model.parameters} d={args.d} alpha={args.alpha} seeds={args.seeds}: "
-             f"{res['epochs']} epochs",
+             f"{res.epochs} epochs",
              "epoch  " + "  ".join(f"layer{l + 1}" for l in range(len(ov))) + "  train_loss  test_error"]
-    for e, (o, tl, te) in enumerate(zip(res["overlaps"]["layer"], res["train_loss"]["mean"], res["test_error"]["mean"])):
-        lines.append(f"{res['epochs_logged'][e]:5d}  " + "  ".join(f"{x:.4f}" for x in o) + f"  {tl:.5f}  {te:.5f}")
+    for e, (o, tl, te) in enumerate(zip(res.overlaps["layer"], res.train_loss["mean"], res.test_error["mean"])):
+        lines.append(f"{res.epochs_logged[e]:5d}  " + "  ".join(f"{x:.4f}" for x in o) + f"  {tl:.5f}  {te:.5f}")
     lines.append("final per-layer overlap (mean +- s.e.): "
                  + "; ".join(f"{o:.4f} +- {s:.4f}" for o, s in zip(ov, se)))
     _emit(args, res, lines)

@@ -105,11 +105,11 @@ def cmd_spectrum(args) -> int:
         raise AimsymError("alpha", "spectrum takes a single value")
     fp = fixed_point(params, alpha[0], acc)
     sp = spectrum(fp, args.points)
-    out = {"alpha": alpha[0], "rank": sp["rank"], "delta_peak": sp["delta_peak"], "s": sp["s"],
-           "density": sp["density"], "q": fp.q, "m": fp.m, "delta": fp.delta, "eps": fp.eps}
+    out = {"alpha": alpha[0], "rank": sp.rank, "delta_peak": sp.delta_peak, "s": sp.s,
+           "density": sp.density, "q": fp.q, "m": fp.m, "delta": fp.delta, "eps": fp.eps}
     if params.model == "factorised":
         sv = singular_value_density(fp, args.points)
-        out["singular_values"] = {"sigma": sv["sigma"], "density": sv["density"]}
+        out["singular_values"] = {"sigma": sv.sigma, "density": sv.density}
     if args.d:
         from ..erm.train import train
         res = train(params, alpha[0], args.d, seed=args.seed)
@@ -120,8 +120,8 @@ def cmd_spectrum(args) -> int:
     if args.json:
         print_json(out)
     else:
-        print(f"alpha={alpha[0]} rank={sp['rank']:.4f} delta_peak={sp['delta_peak']:.4f} "
-              f"support=[{sp['s'].min():.4g}, {sp['s'].max():.4g}]"
+        print(f"alpha={alpha[0]} rank={sp.rank:.4f} delta_peak={sp.delta_peak:.4f} "
+              f"support=[{sp.s.min():.4g}, {sp.s.max():.4g}]"
               + (f" adam KS={out['adam']['ks']:.4f}" if args.d else ""))
     return 0
 
@@ -141,20 +141,20 @@ def cmd_thresholds(args) -> int:
         located["interpolation"] = {"factorised": th.locate_interpolation(k0, args.noise)}
     out = {"kappa0": k0, "tokens": T, "Delta": args.noise, "units": "alpha_bar = alpha (T^2+T-2)/2",
            "closed_form": cf, "located": located,
-           "alpha": {"perfect_recovery": {k: v * to_alpha for k, v in cf["perfect_recovery"].items()
+           "alpha": {"perfect_recovery": {k: v * to_alpha for k, v in cf.perfect_recovery.items()
                                           if k != "factorised_c"},
-                     "interpolation_factorised": cf["interpolation"]["factorised"] * to_alpha}}
+                     "interpolation_factorised": cf.interpolation["factorised"] * to_alpha}}
     from ..provenance import provenance
     out["provenance"] = provenance(accuracy={"delta0": 1e-4, "prior_nodes": 320})
     from .common import print_json
     if args.json:
         print_json(out)
     else:
-        pr = cf["perfect_recovery"]
+        pr = cf.perfect_recovery
         print(f"perfect recovery (alpha_bar): bayes {pr['bayes']:.6f}  direct {pr['direct']:.6f} "
               f"(located {located['perfect_recovery']['direct']:.6f})  factorised {pr['factorised']:.6f} "
               f"(located {located['perfect_recovery']['factorised']:.6f})")
-        line = f"interpolation (factorised, Delta->0+): {cf['interpolation']['factorised']:.6f}"
+        line = f"interpolation (factorised, Delta->0+): {cf.interpolation['factorised']:.6f}"
         if args.noise > 0:
             line += f"  located at Delta={args.noise}: {located['interpolation']['factorised']:.6f}"
         print(line)

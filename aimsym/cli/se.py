@@ -107,7 +107,7 @@ def cmd_se(args) -> int:
           f"quadrature: {dg['quadrature_note']}")
     if "prediction" in res.errors:
         pe = res.errors["prediction"]
-        print(f"prediction error: Bayes-optimal {pe['bayes_optimal']:.4f}  plug-in {pe['plug_in']:.4f}")
+        print(f"prediction error: Bayes-optimal {pe.bayes_optimal:.4f}  plug-in {pe.plug_in:.4f}")
     print(f"free entropy {res.free_entropy:.5f} ± {res.free_entropy_stderr:.5f}")
     return 0
 
@@ -125,21 +125,22 @@ def cmd_thresholds(args) -> int:
     if args.json:
         print_json(rep)
         return 0
-    ini = rep["initial"]
+    ini = rep.initial
     print(f"model {model.name} {model.parameters}")
-    print(f"alpha_c = {_pm(ini['alpha'], ini['stderr'])}  (rho(F) = {_pm(ini['rho'], ini['rho_stderr'])}), direction:")
-    for row in ini["direction"]:
+    print(f"alpha_c = {_pm(ini.alpha, ini.stderr)}  (rho(F) = {_pm(ini.rho, ini.rho_stderr)}), direction:")
+    for row in ini.direction:
         print("   ", "  ".join(f"{v: .3f}" for v in row))
-    for step in rep["staircase"]:
-        print(f"subspace {step['subspace']}: alpha = {_pm(step['alpha'], step['stderr'])}")
-    pr = rep.get("perfect_recovery")
+    for step in rep.staircase:
+        print(f"subspace {step.subspace}: alpha = {_pm(step.alpha, step.stderr)}")
+    pr = rep.perfect_recovery
     if pr is not None:
-        print(f"counting bound alpha_PR = p/m = {pr['counting_alpha']}  (m = {pr['m']}; {pr['note']})")
-        if pr.get("local_alpha") is not None:
-            print(f"Q = I locally stable above {pr['local_alpha']:.4f} ± {pr['local_alpha_stderr']:.4f}"
-                  f"  (tr Pi = {pr['trace_Pi']:.4f} ± {pr['trace_Pi_stderr']:.4f}, m = {pr['m']})")
-        if pr.get("alpha") is not None:
-            print(f"uninformed SE reaches Q = I at alpha = {pr['alpha']:.4f} ± {pr['stderr']:.4f} ({pr['kind']})")
+        print(f"counting bound alpha_PR = p/m = {pr.counting_alpha}  (m = {pr.m}; {pr.note})")
+        loc, alg = pr.local, pr.algorithmic
+        if loc is not None:
+            print(f"Q = I locally stable above {loc.local_alpha:.4f} ± {loc.local_alpha_stderr:.4f}"
+                  f"  (tr Pi = {loc.trace_Pi:.4f} ± {loc.trace_Pi_stderr:.4f}, m = {pr.m})")
+        if alg is not None:
+            print(f"uninformed SE reaches Q = I at alpha = {alg.alpha:.4f} ± {pr.stderr:.4f} ({alg.kind})")
     return 0
 
 
@@ -158,7 +159,7 @@ def cmd_phase_diagram(args) -> int:
     import json
 
     from .common import print_json
-    from .common import parse_grid
+    from .common import parse_grid, to_builtin
     from ..smi.thresholds import phase_diagram, phase_rows
 
     name, _, grid = args.over.partition("=")
@@ -180,7 +181,7 @@ def cmd_phase_diagram(args) -> int:
 
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as fh:
-            json.dump(pd, fh, indent=1)
+            json.dump(pd, fh, indent=1, default=to_builtin)
     if args.figure:
         from ..plot.se import phase_diagram as draw
 
@@ -188,8 +189,8 @@ def cmd_phase_diagram(args) -> int:
     if args.json:
         print_json(pd)
         return 0
-    for pt in pd["points"]:
-        steps = "  ".join(f"{s['subspace']}: {s['alpha']:.4f}±{s['stderr']:.4f}" for s in pt["staircase"])
-        print(f"{name} = {pt[name]:<8.4g} {steps}" + (f"   ({pt['note']})" if pt["note"] else ""))
-    print(f"{pd['seconds']:.1f} s")
+    for pt in pd.points:
+        steps = "  ".join(f"{s.subspace}: {s.alpha:.4f}±{s.stderr:.4f}" for s in pt.staircase)
+        print(f"{name} = {pt.value:<8.4g} {steps}" + (f"   ({pt.note})" if pt.note else ""))
+    print(f"{pd.seconds:.1f} s")
     return 0

@@ -94,6 +94,9 @@ class FixedPoint:
         out.update({k: v for k, v in self.params.asdict().items()})
         return out
 
+    def to_json(self) -> dict:
+        return self.asdict()
+
 
 def fields(params: ERMParams, q: float, m: float, rule: Rule):
     """Noisy teacher field y*, student field z, and E[z* | y*, z] at the rule's nodes, (R, N, L)."""

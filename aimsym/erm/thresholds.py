@@ -23,6 +23,7 @@ import numpy as np
 from scipy.optimize import brentq
 
 from ..errors import AimsymError
+from ..results import Result
 from .prior import integrals
 
 
@@ -69,11 +70,20 @@ def interpolation_factorised(kappa0: float) -> float:
     return (1.0 + 2.0 * k - k * k) / 4.0
 
 
-def closed_forms(kappa0: float) -> dict:
+@dataclass
+class ClosedForms(Result):
+    """The closed-form thresholds in alpha_bar: perfect recovery (Bayes, direct, factorised and its
+    c) and interpolation with noisy labels (factorised, direct)."""
+
+    perfect_recovery: dict
+    interpolation: dict
+
+
+def closed_forms(kappa0: float) -> ClosedForms:
     pf, c = pr_factorised(kappa0)
-    return {"perfect_recovery": {"bayes": pr_bayes(kappa0), "direct": pr_direct(kappa0),
-                                 "factorised": pf, "factorised_c": c},
-            "interpolation": {"factorised": interpolation_factorised(kappa0), "direct": 0.5}}
+    return ClosedForms(perfect_recovery={"bayes": pr_bayes(kappa0), "direct": pr_direct(kappa0),
+                                         "factorised": pf, "factorised_c": c},
+                       interpolation={"factorised": interpolation_factorised(kappa0), "direct": 0.5})
 
 
 # ---------------------------------------------------------------- lambda -> 0+ fixed point

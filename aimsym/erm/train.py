@@ -135,6 +135,9 @@ class TrainResult:
             out["singular_values"] = self.singular_values
         return out
 
+    def to_json(self) -> dict:
+        return self.asdict()
+
 
 @limit_blas_threads(param="blas_threads")
 def train(params: ERMParams, alpha: float, d: int, *, seed: int = 0, lr: float = 0.02,

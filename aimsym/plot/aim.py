@@ -77,14 +77,14 @@ def fig_tokens(out, d=100, n_seeds=4, with_points=True):
         seeds = list(range(n_seeds))
         pts = [0.04, 0.08, 0.12, 0.16]
         a_res = [amp.run_many(a, rho, d, 2, "softmax", seeds=seeds, iterations=100) for a in pts]
-        ax.errorbar(pts, [r["mmse"] for r in a_res], yerr=[r["mmse_sem"] or 0 for r in a_res], fmt="o",
+        ax.errorbar(pts, [r.mmse for r in a_res], yerr=[r.mmse_sem or 0 for r in a_res], fmt="o",
                     ms=4, label=f"AMP d={d}")
         d_gd = min(d, 60)
         g_res = [gd.run_many(a, rho, d_gd, 2, "softmax", seeds=seeds[:2], steps=1500, lr=0.01, runs=3)
                  for a in pts]
-        ax.errorbar(pts, [r["mmse_gd"] for r in g_res], yerr=[r["mmse_gd_sem"] or 0 for r in g_res],
+        ax.errorbar(pts, [r.mmse_gd for r in g_res], yerr=[r.mmse_gd_sem or 0 for r in g_res],
                     fmt="s", ms=4, label=f"GD d={d_gd}")
-        ax.errorbar(pts, [r["mmse_agd"] for r in g_res], yerr=[r["mmse_agd_sem"] or 0 for r in g_res],
+        ax.errorbar(pts, [r.mmse_agd for r in g_res], yerr=[r.mmse_agd_sem or 0 for r in g_res],
                     fmt="^", ms=4, label=f"AGD (3 runs) d={d_gd}")
         meta["points"] = {"amp": [{k: r[k] for k in ("alpha", "mmse", "mmse_sem", "mmse_se")} for r in a_res],
                           "gd": [{k: r[k] for k in ("alpha", "mmse_gd", "mmse_agd", "mmse_se")} for r in g_res]}
@@ -115,7 +115,7 @@ def fig_hardmax(out, d=80, n_seeds=3, with_points=True):
 
             pts = [0.1, 0.3, 1.0, 3.0]
             a_res = [amp.run_many(a, rho, d, 2, "hardmax", seeds=list(range(n_seeds)), iterations=60) for a in pts]
-            ax.errorbar(pts, [r["mmse"] for r in a_res], yerr=[r["mmse_sem"] or 0 for r in a_res], fmt="o",
+            ax.errorbar(pts, [r.mmse for r in a_res], yerr=[r.mmse_sem or 0 for r in a_res], fmt="o",
                         ms=4, color=line.get_color(), label=f"AMP d={d}, rho=0.5")
             meta["amp"] = [{k: r[k] for k in ("alpha", "mmse", "mmse_sem", "mmse_se")} for r in a_res]
     # T = 3 at rho = 0.5 (the channel's J(s) interpolant is built once, ~40 s, then the curve is cheap)
@@ -140,7 +140,7 @@ def fig_small_width(out):
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.6))
     ab = np.linspace(0.05, 4, 80)
-    lim = [se.small_width_se(a)["mmse"] for a in ab]
+    lim = [se.small_width_se(a).mmse for a in ab]
     ax.plot(ab, lim, "k", lw=2, label="rho -> 0 (t(2 - t))")
     for rho in (0.01, 0.05, 0.2):
         res = se.curve(ab * rho, rho, 2, "hardmax")
@@ -166,12 +166,12 @@ def fig_amp(out, d=100, n_seeds=4):
     for alpha in (0.05, 0.1, 0.15):
         data = aim_data.generate(d, alpha, 0.5, 2, "softmax", seed=0)
         res = amp.run(data, 2, "softmax", iterations=100)
-        h = res["history"]
+        h = res.history
         line, = ax.semilogy([x["iteration"] for x in h], [x["mmse"] for x in h], label=f"AMP alpha={alpha}")
         ax.semilogy([x["iteration"] for x in h], [x["V"] for x in h], ":", color=line.get_color())
         m_se = se.solve(alpha, data.rho).mmse
         ax.axhline(m_se, color=line.get_color(), lw=0.8, ls="--")
-        meta[str(alpha)] = {"amp": res["mmse"], "se": m_se}
+        meta[str(alpha)] = {"amp": res.mmse, "se": m_se}
     ax.set_xlabel("iteration")
     ax.set_ylabel("||S_hat - S||^2 / d (solid), predicted V (dotted)")
     ax.set_title(f"GAMP-RIE, softmax T = 2, rho = 0.5, d = {d}; dashed: SE", fontsize=8)
@@ -231,8 +231,8 @@ def fig_deep(out):
     alphas = [0.05, 0.1, 0.2, 0.35, 0.5]
     res = [deep.state_evolution(a, 0.5, 0.5, 1.0, n_inner=8, n_outer=1024, damping=0.3, tol=2e-3)
            for a in alphas]
-    ax.plot(alphas, [r["mmse1"] for r in res], "o-", label="layer 1 (S_1)")
-    ax.plot(alphas, [r["mmse2"] for r in res], "s-", label="layer 2 (S_2)")
+    ax.plot(alphas, [r.mmse1 for r in res], "o-", label="layer 1 (S_1)")
+    ax.plot(alphas, [r.mmse2 for r in res], "s-", label="layer 2 (S_2)")
     ax.set_xlabel("alpha")
     ax.set_ylabel("mmse per layer")
     ax.set_title("two-layer AIM, softmax, T = 2, rho = 0.5, skip c = 1", fontsize=8)

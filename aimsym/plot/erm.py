@@ -117,7 +117,7 @@ def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, qu
             ax.hist(nz, bins=25, density=True, weights=None, alpha=0.45, color="C1",
                     label=f"Adam d={dd} (non-zero)")
             # histogram is normalised on the non-zero part: rescale the density the same way
-            ax.plot(sp["s"], sp["density"] / max(sp["rank"], 1e-12), "k-", lw=1.2, label="theory")
+            ax.plot(sp.s, sp.density / max(sp.rank, 1e-12), "k-", lw=1.2, label="theory")
             ax.set_title(f"alpha={a}: peak {sp['delta_peak']:.2f} (Adam "
                          f"{np.mean(np.abs(ev) < 1e-2 * np.abs(ev).max()):.2f}), KS {ks:.2f}", fontsize=8)
             ax.set_xlabel("eigenvalue of S")

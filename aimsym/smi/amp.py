@@ -35,6 +35,7 @@ import numpy as np
 
 from .data import back_project, indices, teacher_student
 from ..errors import AimsymError
+from ..results import Result
 
 # GAMP accuracy default: Gauss-Hermite points per dimension for integrals of dimension >= 2
 # (about 1e-4 relative on L2_T2, far below the 1/sqrt(d) fluctuations of AMP at d <= 10^4).
@@ -200,7 +201,7 @@ def _pad(a: np.ndarray, length: int) -> np.ndarray:
 def run_amp(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, lam: float = 1e-2,
             damping: float = 0.0, max_iter: int = 50, tol: float = 1e-4, min_iter: int = 3,
             init_scale: float = 0.0, n_test: int | None = None, nodes: int | None = None,
-            den=None, progress: bool = False) -> dict:
+            den=None, progress: bool = False) -> AMPResult:
     """GAMP on ``seeds`` independent teacher-student data sets; mean and standard error per iteration.
 
     Run r uses ``SeedSequence(seed).spawn(seeds)[r]`` for its teacher, data, test set, side
@@ -255,7 +256,26 @@ def run_amp(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, lam: 
     return out
 
 
-def summarise(model, traces: list[AMPTrace], *, den=None, settings=None, provenance_record=None) -> dict:
+@dataclass
+class AMPResult(Result):
+    """GAMP runs over seeds, sign-normalised and averaged (see :func:`summarise`): ``overlaps``
+    per iteration, ``final`` at the last, ``test_error``, ``timing`` (blocks of arrays)."""
+
+    model: str
+    parameters: dict
+    index_labels: list
+    settings: dict
+    iterations: int
+    iterations_per_seed: list
+    converged: list
+    overlaps: dict
+    test_error: dict
+    final: dict
+    timing: dict
+    provenance: dict
+
+
+def summarise(model, traces: list[AMPTrace], *, den=None, settings=None, provenance_record=None) -> AMPResult:
     """Sign-normalise, pad to a common length and average over runs (mean, standard error)."""
     length = max(len(tr.M) for tr in traces)
     Ms, Qs, errs = [], [], []
@@ -272,24 +292,24 @@ def summarise(model, traces: list[AMPTrace], *, den=None, settings=None, provena
         return a.std(axis=0, ddof=1) / np.sqrt(k) if k > 1 else np.full(a.shape[1:], np.nan)
 
     labels = index_labels(model)
-    out = {
-        "model": model.name,
-        "parameters": model.parameters,
-        "index_labels": labels,
-        "settings": settings or {},
-        "iterations": int(max(tr.iterations for tr in traces)),
-        "iterations_per_seed": [int(tr.iterations) for tr in traces],
-        "converged": [bool(tr.converged) for tr in traces],
-        "overlaps": {"M": Ms.mean(0), "Q": Qs.mean(0), "M_stderr": se(Ms), "Q_stderr": se(Qs)},
-        "test_error": {"mean": errs.mean(0), "stderr": se(errs)},
-        "final": {"M": Ms[:, -1].mean(0), "M_stderr": se(Ms)[-1], "Q": Qs[:, -1].mean(0),
-                  "Q_stderr": se(Qs)[-1], "test_error": errs[:, -1].mean(0), "test_error_stderr": se(errs)[-1],
-                  "M_per_seed": Ms[:, -1]},
-        "timing": {"denoiser_s": sum(tr.timing["denoiser_s"] for tr in traces),
-                   "linear_algebra_s": sum(tr.timing["linear_algebra_s"] for tr in traces),
-                   "iterations": int(sum(tr.iterations for tr in traces))},
-        "provenance": provenance_record or {},
-    }
-    if not np.all(np.isfinite(out["final"]["M"])):
+    out = AMPResult(
+        model=model.name,
+        parameters=model.parameters,
+        index_labels=labels,
+        settings=settings or {},
+        iterations=int(max(tr.iterations for tr in traces)),
+        iterations_per_seed=[int(tr.iterations) for tr in traces],
+        converged=[bool(tr.converged) for tr in traces],
+        overlaps={"M": Ms.mean(0), "Q": Qs.mean(0), "M_stderr": se(Ms), "Q_stderr": se(Qs)},
+        test_error={"mean": errs.mean(0), "stderr": se(errs)},
+        final={"M": Ms[:, -1].mean(0), "M_stderr": se(Ms)[-1], "Q": Qs[:, -1].mean(0),
+               "Q_stderr": se(Qs)[-1], "test_error": errs[:, -1].mean(0), "test_error_stderr": se(errs)[-1],
+               "M_per_seed": Ms[:, -1]},
+        timing={"denoiser_s": sum(tr.timing["denoiser_s"] for tr in traces),
+                "linear_algebra_s": sum(tr.timing["linear_algebra_s"] for tr in traces),
+                "iterations": int(sum(tr.iterations for tr in traces))},
+        provenance=provenance_record or {},
+    )
+    if not np.all(np.isfinite(out.final["M"])):
         raise AimsymError("amp", "non-finite overlaps")
     return out

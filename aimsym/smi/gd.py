@@ -29,6 +29,7 @@ import numpy as np
 from .amp import index_labels, sign_flips
 from .data import back_project, indices, teacher_student
 from ..errors import AimsymError
+from ..results import Result
 
 DEFAULT_LR = {"gd": 1.0, "sgd": 0.5, "adam": 0.01}
 
@@ -154,9 +155,28 @@ def train(model, data, *, optimizer: str = "adam", lr: float | None = None, epoc
                    train_loss=np.array(tl), test_error=np.array(te))
 
 
+@dataclass
+class GDResult(Result):
+    """Gradient-descent students over seeds, averaged: per-layer overlaps, M, Q, losses per
+    logged epoch (``overlaps``, ``train_loss``, ``test_error``) and at the end (``final``)."""
+
+    model: str
+    parameters: dict
+    index_labels: list
+    layers: list
+    settings: dict
+    epochs: int
+    epochs_logged: list
+    overlaps: dict
+    train_loss: dict
+    test_error: dict
+    final: dict
+    provenance: dict
+
+
 def run_gd(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, optimizer: str = "adam",
            lr: float | None = None, epochs: int = 200, batch_size: int | None = None, weight_decay: float = 0.0,
-           init_scale: float = 0.1, average: int = 1, n_test: int | None = None, progress: bool = False) -> dict:
+           init_scale: float = 0.1, average: int = 1, n_test: int | None = None, progress: bool = False) -> GDResult:
     """Train on ``seeds`` independent data sets (seeded like ``run_amp``); mean and s.e. per logged epoch."""
     from ..provenance import provenance
 
@@ -201,21 +221,21 @@ def run_gd(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, optimi
     tl, tl_se = stats("train_loss")
     te, te_se = stats("test_error")
     lr_used = DEFAULT_LR[optimizer] if lr is None else lr
-    return {
-        "model": model.name, "parameters": model.parameters, "index_labels": index_labels(model),
-        "layers": [[int(r) for r in g] for g in layer_groups(model)],
-        "settings": {"d": d, "alpha": alpha, "n": int(round(alpha * d)), "n_test": n_test, "seeds": seeds,
-                     "optimizer": optimizer, "lr": lr_used, "epochs": epochs, "batch_size": batch_size,
-                     "weight_decay": weight_decay, "init_scale": init_scale, "average": average},
-        "epochs": epochs,
-        "epochs_logged": traces[0].epochs_logged,
-        "overlaps": {"layer": ov, "layer_stderr": ov_se, "M": M, "M_stderr": M_se, "Q": Q, "Q_stderr": Q_se},
-        "train_loss": {"mean": tl, "stderr": tl_se},
-        "test_error": {"mean": te, "stderr": te_se},
-        "final": {"overlap": ov[-1], "overlap_stderr": ov_se[-1], "M": M[-1], "M_stderr": M_se[-1],
-                  "Q": Q[-1], "Q_stderr": Q_se[-1], "train_loss": tl[-1], "test_error": te[-1],
-                  "test_error_stderr": te_se[-1],
-                  "overlap_per_seed": np.array([tr.overlap[-1] for tr in traces])},
-        "provenance": provenance(seed=seed, model_hash=model.hash(), accuracy={"exact_gradient": "link_jacobian"},
-                                 seeds_spawned=seeds),
-    }
+    return GDResult(
+        model=model.name, parameters=model.parameters, index_labels=index_labels(model),
+        layers=[[int(r) for r in g] for g in layer_groups(model)],
+        settings={"d": d, "alpha": alpha, "n": int(round(alpha * d)), "n_test": n_test, "seeds": seeds,
+                  "optimizer": optimizer, "lr": lr_used, "epochs": epochs, "batch_size": batch_size,
+                  "weight_decay": weight_decay, "init_scale": init_scale, "average": average},
+        epochs=epochs,
+        epochs_logged=traces[0].epochs_logged,
+        overlaps={"layer": ov, "layer_stderr": ov_se, "M": M, "M_stderr": M_se, "Q": Q, "Q_stderr": Q_se},
+        train_loss={"mean": tl, "stderr": tl_se},
+        test_error={"mean": te, "stderr": te_se},
+        final={"overlap": ov[-1], "overlap_stderr": ov_se[-1], "M": M[-1], "M_stderr": M_se[-1],
+               "Q": Q[-1], "Q_stderr": Q_se[-1], "train_loss": tl[-1], "test_error": te[-1],
+               "test_error_stderr": te_se[-1],
+               "overlap_per_seed": np.array([tr.overlap[-1] for tr in traces])},
+        provenance=provenance(seed=seed, model_hash=model.hash(), accuracy={"exact_gradient": "link_jacobian"},
+                              seeds_spawned=seeds),
+    )

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import AimsymError
+from ..results import Result
 from .se import Channel, make_channel, mean_and_stderr, sqrt_psd, state_evolution, sym
 
 # the V -> 0 limit is taken at tr V / p = PI_SCALE, with the shape's eigenvalues kept above
@@ -47,6 +49,69 @@ GROUPS = 4
 GROUP_REL = 1e-2
 # the SE runs only decide "reaches Q = I or not": a loose relative tol suffices
 PR_SE_TOL = 1e-3
+
+
+@dataclass
+class LocalStability(Result):
+    """Pi at the shape V the V -> 0 map reproduces, and local_alpha (see :func:`local_stability`)."""
+
+    local_alpha: float
+    local_alpha_stderr: float
+    Pi: list
+    Pi_stderr: list
+    trace_Pi: float
+    trace_Pi_stderr: float
+    shape: list
+    shape_iterations: int
+    shape_converged: bool
+    shape_at_floor: bool
+    scale: float
+
+
+@dataclass
+class AlgorithmicThreshold(Result):
+    """Where the uninformed SE reaches Q = I (see :func:`algorithmic_threshold`)."""
+
+    alpha: float
+    kind: str
+    bracket: list
+    error_below: float | None
+    runs: int
+    unconverged_runs: int | None = None
+    OPTIONAL = ("unconverged_runs",)
+
+
+@dataclass
+class PerfectRecovery(Result):
+    """The perfect-recovery transition: counting bound, local stability of Q = I and the
+    algorithmic threshold. ``local`` None: no perfect recovery to locate (noisy link or no
+    counting bound); ``algorithmic`` None: not located."""
+
+    counting_alpha: float | None
+    m: int | None
+    note: str | None
+    local: LocalStability | None = None
+    algorithmic: AlgorithmicThreshold | None = None
+    stderr: float | None = None
+    group_alphas: list | None = None
+    accuracy: dict | None = None
+    seconds: float | None = None
+
+    @property
+    def alpha(self):
+        return self.algorithmic.alpha if self.algorithmic is not None else None
+
+    def to_json(self) -> dict:
+        out = {"counting_alpha": self.counting_alpha, "m": self.m, "note": self.note}
+        if self.local is None:
+            return {**out, "alpha": None, "stderr": None, "kind": None, "local_alpha": None}
+        out.update(self.local.to_json())
+        a = self.algorithmic
+        if a is not None:
+            out.update({"alpha": a.alpha, "stderr": self.stderr, "kind": a.kind, "bracket": a.bracket,
+                        "error_below": a.error_below, "group_alphas": self.group_alphas, "se_runs": a.runs,
+                        "unconverged_runs": a.unconverged_runs or 0})
+        return {**out, "accuracy": self.accuracy, "seconds": self.seconds}
 
 
 def pi_replicas(ch: Channel, V: np.ndarray) -> np.ndarray:
@@ -67,7 +132,7 @@ def _normalised(V: np.ndarray, p: int) -> np.ndarray:
     return sym((U * w) @ U.T)
 
 
-def local_stability(ch: Channel, *, max_iter: int = 60, shape_tol: float = 2e-3) -> dict:
+def local_stability(ch: Channel, *, max_iter: int = 60, shape_tol: float = 2e-3) -> LocalStability:
     """Pi at the shape V reproduced by the V -> 0 limit of the SE map, and local_alpha."""
     p = ch.p
     V = PI_SCALE * np.eye(p)
@@ -99,11 +164,11 @@ def local_stability(ch: Channel, *, max_iter: int = 60, shape_tol: float = 2e-3)
         return 1.0 / rate if rate > 0 else float("inf")
 
     loo = np.array([alpha_of((Pi * R - Pi_r[r]) / (R - 1)) for r in range(R)])
-    return {"local_alpha": alpha_of(Pi), "local_alpha_stderr": float(np.sqrt((R - 1) / R * np.sum((loo - loo.mean()) ** 2))),
-            "Pi": Pi.tolist(), "Pi_stderr": Pi_se.tolist(), "trace_Pi": float(tr), "trace_Pi_stderr": float(tr_se),
-            "shape": (V / np.trace(V)).tolist(), "shape_iterations": it, "shape_converged": bool(shape_change < shape_tol),
-            "shape_at_floor": at_floor,
-            "scale": PI_SCALE}
+    return LocalStability(local_alpha=alpha_of(Pi),
+                          local_alpha_stderr=float(np.sqrt((R - 1) / R * np.sum((loo - loo.mean()) ** 2))),
+                          Pi=Pi.tolist(), Pi_stderr=Pi_se.tolist(), trace_Pi=float(tr), trace_Pi_stderr=float(tr_se),
+                          shape=(V / np.trace(V)).tolist(), shape_iterations=it,
+                          shape_converged=bool(shape_change < shape_tol), shape_at_floor=at_floor, scale=PI_SCALE)
 
 
 def _reaches(model, ch, alpha, Q0, se_kw):
@@ -116,7 +181,7 @@ def _reaches(model, ch, alpha, Q0, se_kw):
 
 
 def algorithmic_threshold(model, ch: Channel, *, lo: float, hi: float, rel: float = BISECT_REL,
-                          se_kw=None, grow: float = 1.25, hi_max: float | None = None) -> dict:
+                          se_kw=None, grow: float = 1.25, hi_max: float | None = None) -> AlgorithmicThreshold:
     """Smallest alpha in [lo, hi_max] where the uninformed SE (points of ``ch``) reaches Q = I."""
     se_kw = dict(se_kw or {})
     hi_max = hi_max if hi_max is not None else 8.0 * hi
@@ -130,7 +195,7 @@ def algorithmic_threshold(model, ch: Channel, *, lo: float, hi: float, rel: floa
         return ok, res
 
     if ok:
-        return {"alpha": lo, "kind": "below-bracket", "bracket": [lo, lo], "error_below": None, "runs": 1}
+        return AlgorithmicThreshold(alpha=lo, kind="below-bracket", bracket=[lo, lo], error_below=None, runs=1)
     warm, runs, res_lo = res.Q, 1, res
     while True:
         ok, res = step(hi, warm)
@@ -140,8 +205,8 @@ def algorithmic_threshold(model, ch: Channel, *, lo: float, hi: float, rel: floa
         lo, warm, res_lo = hi, res.Q, res
         hi *= grow
         if hi > hi_max:
-            return {"alpha": float("inf"), "kind": "not-reached", "bracket": [lo, hi_max],
-                    "error_below": float(np.max(res_lo.errors["layers"])), "runs": runs}
+            return AlgorithmicThreshold(alpha=float("inf"), kind="not-reached", bracket=[lo, hi_max],
+                                        error_below=float(np.max(res_lo.errors["layers"])), runs=runs)
     while (hi - lo) > rel * hi:
         mid = 0.5 * (lo + hi)
         ok, res = step(mid, warm)
@@ -151,46 +216,43 @@ def algorithmic_threshold(model, ch: Channel, *, lo: float, hi: float, rel: floa
         else:
             lo, warm, res_lo = mid, res.Q, res
     err_below = float(np.max(res_lo.errors["layers"]))
-    return {"alpha": 0.5 * (lo + hi), "kind": "jump" if err_below > JUMP_GAP else "continuous",
-            "bracket": [lo, hi], "error_below": err_below, "runs": runs, "unconverged_runs": unconverged[0]}
+    return AlgorithmicThreshold(alpha=0.5 * (lo + hi), kind="jump" if err_below > JUMP_GAP else "continuous",
+                                bracket=[lo, hi], error_below=err_below, runs=runs, unconverged_runs=unconverged[0])
 
 
 def perfect_recovery(model, *, samples: int = 1024, replicas: int = 8, seed=0, nodes=None, groups: int = GROUPS,
-                     algorithmic: bool = True, se_tol: float = PR_SE_TOL, max_iter: int = 1000) -> dict:
+                     algorithmic: bool = True, se_tol: float = PR_SE_TOL, max_iter: int = 1000) -> PerfectRecovery:
     """The ``perfect_recovery`` entry of the thresholds report: counting, local and algorithmic
     alpha with standard errors (local: jackknife over replicas; algorithmic: the spread of
     independent bisections on ``groups`` disjoint groups of replicas)."""
     t0 = time.perf_counter()
     counting = model.counting
-    out = {"counting_alpha": counting["alpha_pr"], "m": counting["m"], "note": counting["note"]}
     if counting["alpha_pr"] is None or model.noise > 0:
-        out.update({"alpha": None, "stderr": None, "kind": None, "local_alpha": None,
-                    "note": counting["note"] if model.noise == 0 else "noisy link: no perfect recovery"})
-        return out
+        return PerfectRecovery(counting_alpha=counting["alpha_pr"], m=counting["m"],
+                               note=counting["note"] if model.noise == 0 else "noisy link: no perfect recovery")
+    out = PerfectRecovery(counting_alpha=counting["alpha_pr"], m=counting["m"], note=counting["note"])
     if replicas % groups:
         raise AimsymError("replicas", f"must be a multiple of {groups} (independent groups for the standard error)")
     ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
-    out.update(local_stability(ch))
+    out.local = local_stability(ch)
     if algorithmic:
         a_pr = counting["alpha_pr"]
         se_kw = {"tol": se_tol, "max_iter": max_iter}
         full = algorithmic_threshold(model, ch, lo=0.98 * a_pr, hi=1.1 * a_pr, se_kw=se_kw)
         per = replicas // groups
         parts = []
-        a0 = full["alpha"] if np.isfinite(full["alpha"]) else a_pr
+        a0 = full.alpha if np.isfinite(full.alpha) else a_pr
         for g in range(groups):
             # the groups' thresholds scatter around the full set's: a narrow bracket, coarser steps
             sub = Channel(ch.model, ch.den, ch.points[g * per:(g + 1) * per])
             parts.append(algorithmic_threshold(model, sub, lo=max(0.98 * a_pr, 0.92 * a0), hi=1.06 * a0,
-                                               rel=GROUP_REL, se_kw=se_kw)["alpha"])
+                                               rel=GROUP_REL, se_kw=se_kw).alpha)
         parts = np.array(parts)
         # each group holds 1/groups of the points: its variance is groups times the full set's
         se = float(parts.std(ddof=1) / np.sqrt(groups)) if np.all(np.isfinite(parts)) else float("inf")
-        se = float(np.hypot(se, 0.5 * (full["bracket"][1] - full["bracket"][0])))
-        out.update({"alpha": full["alpha"], "stderr": se, "kind": full["kind"], "bracket": full["bracket"],
-                    "error_below": full["error_below"], "group_alphas": parts.tolist(), "se_runs": full["runs"],
-                    "unconverged_runs": full.get("unconverged_runs", 0)})
-    out["accuracy"] = {**ch.den.accuracy, "samples": samples, "replicas": replicas, "groups": groups,
+        out.stderr = float(np.hypot(se, 0.5 * (full.bracket[1] - full.bracket[0])))
+        out.algorithmic, out.group_alphas = full, parts.tolist()
+    out.accuracy = {**ch.den.accuracy, "samples": samples, "replicas": replicas, "groups": groups,
                        "se_tol": se_tol, "bisection_rel": BISECT_REL, "pi_scale": PI_SCALE}
-    out["seconds"] = time.perf_counter() - t0
+    out.seconds = time.perf_counter() - t0
     return out

@@ -300,9 +300,9 @@ def denoiser_accuracy(model, nodes=None, polar=None) -> dict:
     if dim == 2:
         out["polar"] = tuple(int(v) for v in (polar or SE_POLAR))
     # error control where it is affordable: reduced dimension 1-2 (polar and Gauss-Hermite rules,
-    # rescued by the mode-centred rule at ~10-100 ms per sample); at k >= 3 the mode-centred rule
-    # costs seconds per sample and the SE runs the fixed rule, its error unestimated (the
-    # result's diagnostics say so)
+    # rescued by the mode-centred rule); at k >= 3 the mode-centred rule is too slow per sample
+    # (docs/tuning.md) and the SE runs the fixed rule, its error unestimated (the result's
+    # diagnostics say so)
     if getattr(getattr(model, "kernels", None), "PATH", "") in MODAL_ONLY:
         # only the mode-centred rule carries a marginalised block: at the SE's Monte Carlo scale
         # (a few % at hundreds of points) a loose tol and a small budget suffice
@@ -387,7 +387,21 @@ def free_entropy(Q: np.ndarray, Q_hat: np.ndarray, alpha: float, psi_out: float)
 
 
 # ----------------------------------------------------------------------------- errors
-def prediction_errors(model, Q: np.ndarray, *, samples: int = 1 << 14, replicas: int = 8, seed=0) -> dict:
+from ..results import Result  # noqa: E402  (kept out of the header block, which holds the solver's constants)
+
+
+@dataclass
+class PredictionErrors(Result):
+    """Prediction errors of the output at overlap Q (see :func:`prediction_errors`)."""
+
+    bayes_optimal: float
+    bayes_optimal_stderr: float
+    plug_in: float
+    plug_in_stderr: float
+
+
+def prediction_errors(model, Q: np.ndarray, *, samples: int = 1 << 14, replicas: int = 8,
+                      seed=0) -> PredictionErrors:
     """Bayes-optimal E||g(Z)||^2 - E_xi||E_eta g(Z)||^2 and plug-in E||g(Z) - g(Q^{1/2} xi)||^2.
 
     E_xi ||E_eta g||^2 is estimated without bias as E[g(Q^{1/2} xi + C eta1) . g(Q^{1/2} xi + C eta2)].
@@ -404,8 +418,8 @@ def prediction_errors(model, Q: np.ndarray, *, samples: int = 1 << 14, replicas:
     bayes = (np.sum(y1 * y1, -1) - np.sum(y1 * y2, -1)).mean(axis=1)
     plug = np.sum((y1 - y0) ** 2, -1).mean(axis=1)
     (b, bs), (q, qs) = mean_and_stderr(bayes), mean_and_stderr(plug)
-    return {"bayes_optimal": float(b), "bayes_optimal_stderr": float(bs),
-            "plug_in": float(q), "plug_in_stderr": float(qs)}
+    return PredictionErrors(bayes_optimal=float(b), bayes_optimal_stderr=float(bs), plug_in=float(q),
+                            plug_in_stderr=float(qs))
 
 
 # ----------------------------------------------------------------------------- driver
@@ -736,8 +750,8 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         # points, e.g. Q = 0 above a weak-recovery threshold)
         h = history[start:]
         contracting = len(h) >= 4 and h[-1] < h[-2] < h[-3] < h[-4]
-        # (not near Q = I: there the map's noise in 1 - Q_kk is of the order of the step, and
-        # Anderson's extrapolation pushed 1 - Q up by 2x every fifth step, two layers at alpha 1.1)
+        # (not near Q = I: there the map's noise in 1 - Q_kk is of the order of the step, which
+        # the extrapolation amplifies; docs/tuning.md)
         contracting = contracting and not np.any(e_new[active] < COARSE_NEAR_ONE)
         if not contracting:
             xs, gs = [], []

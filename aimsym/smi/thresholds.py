@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from scipy.optimize import brentq
 
 from ..errors import AimsymError
 from ..provenance import provenance
+from ..results import Result
 from .se import Channel, denoiser_accuracy, make_channel, state_evolution, sym
 
 
@@ -180,7 +182,60 @@ def operator_blocks(ch: Channel, Q: np.ndarray, block, denoised=None) -> np.ndar
     return D.reshape(R, n, *D.shape[1:])
 
 
-def operator(ch: Channel, Q: np.ndarray, block, denoised=None, weights=None) -> dict:
+@dataclass
+class Operator(Result):
+    """The weak-recovery operator F on a block at one Q (see :func:`operator`)."""
+
+    F: np.ndarray
+    F_stderr: np.ndarray
+    rho: float
+    rho_stderr: float
+    rho_loo: np.ndarray
+    direction: np.ndarray
+    block: list
+    invariant_block: list
+
+
+@dataclass
+class Threshold(Result):
+    """One weak-recovery threshold alpha = 1/rho(F) with the operator it comes from. The optional
+    fields are set by the method that located it (initial, restricted SE, parametric branch)."""
+
+    alpha: float
+    stderr: float
+    rho: float
+    rho_stderr: float
+    direction: np.ndarray
+    subspace: list
+    F: np.ndarray
+    F_stderr: np.ndarray
+    tail_scale: float | None = None
+    jump: bool | None = None
+    Q_branch: np.ndarray | None = None
+    q_before: float | None = None
+    q_after: float | None = None
+    method: str | None = None
+    OPTIONAL = ("tail_scale", "jump", "Q_branch", "q_before", "q_after", "method")
+
+
+@dataclass
+class StaircaseStep(Result):
+    """One step of the grand staircase: the subspace learned at alpha. The first step (alpha_c)
+    and the phase diagram's steps carry only some of the optional fields."""
+
+    subspace: list
+    alpha: float
+    stderr: float
+    jump: bool | None = None
+    method: str | None = None
+    direction: np.ndarray | None = None
+    rho: float | None = None
+    Q_branch: np.ndarray | None = None
+    replicas: int | None = None
+    OPTIONAL = ("jump", "method", "direction", "rho", "Q_branch", "replicas")
+
+
+def operator(ch: Channel, Q: np.ndarray, block, denoised=None, weights=None) -> Operator:
     """F (mean, stderr per entry), rho (cross-fitted on the sign-symmetric block) with jackknife
     stderr, direction; ``rho_loo``: its leave-one-replica-out values (for jackknifing derived
     quantities). ``weights`` (R, n): importance weights of the points (see :func:`initial_threshold`).
@@ -199,9 +254,8 @@ def operator(ch: Channel, Q: np.ndarray, block, denoised=None, weights=None) -> 
     c0 = np.einsum("iab,ab->i", B, np.eye(k) / np.sqrt(k))[keep]
     _, c = _power(F[np.ix_(keep, keep)], c0, 1e-13, 20000)
     M = np.einsum("i,iab->ab", c, B[keep])
-    return {"F": F, "F_stderr": Fr.std(axis=0, ddof=1) / np.sqrt(R), "rho": rho,
-            "rho_stderr": jackknife_stderr(loo), "rho_loo": loo, "direction": M, "block": [int(i) for i in block],
-            "invariant_block": [int(i) for i in keep]}
+    return Operator(F=F, F_stderr=Fr.std(axis=0, ddof=1) / np.sqrt(R), rho=rho, rho_stderr=jackknife_stderr(loo),
+                    rho_loo=loo, direction=M, block=[int(i) for i in block], invariant_block=[int(i) for i in keep])
 
 
 def jackknife_stderr(loo: np.ndarray) -> float:
@@ -218,8 +272,8 @@ def direction_support(M: np.ndarray, block, rel: float = 0.05) -> list[int]:
 
 # Points of the Q = 0 operator are drawn from N(0, TAIL_SCALE^2) per entry of Z and reweighted:
 # posterior second moments grow polynomially in |Z|, so plain normal points leave a heavy-tailed,
-# skewed replica mean (phase retrieval, 8 replicas: z-scores of mean 0.47, sd 1.6 over 200 seeds;
-# at 1.5: docs/se.md). The weights' own spread grows like 1.2^(p T): fine up to p T ~ 8.
+# skewed replica mean. The weights' own spread grows like 1.2^(p T): fine up to p T ~ 8.
+# (Measurements: docs/tuning.md, docs/se.md.)
 TAIL_SCALE = 1.5
 
 
@@ -235,8 +289,7 @@ def tail_scaled(ch: Channel, scale: float) -> tuple[Channel, np.ndarray]:
 
 
 # Denoiser nodes of the Q = 0 operator (one pass, so cheap) where the SE default biases alpha_c
-# beyond its reweighted QMC error: 1-D, y = z0 z1, same points, against the closed-form denoiser:
-# 40 nodes +1.0e-4 (1.2 stderr; +2.8e-4 without the SE's error control), 120: +1.4e-7.
+# beyond its reweighted QMC error (measured against the closed-form denoiser: docs/tuning.md).
 THRESHOLD_NODES = {1: 120}
 
 
@@ -248,7 +301,7 @@ def _threshold_denoiser(model, ch: Channel) -> Channel:
 
 
 def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=None, seed=0,
-                      channel: Channel | None = None, tail_scale: float = TAIL_SCALE) -> dict:
+                      channel: Channel | None = None, tail_scale: float = TAIL_SCALE) -> Threshold:
     """alpha_c = 1/rho(F) at Q = 0 (omega = 0, V = I) on all indices (points scaled by ``tail_scale``
     and reweighted; 1: plain normal points). ``nodes`` None: THRESHOLD_NODES where set (also
     replacing a given ``channel``'s denoiser), else the SE default."""
@@ -260,22 +313,20 @@ def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes
     if tail_scale != 1.0:
         ch, weights = tail_scaled(ch, tail_scale)
     op = operator(ch, np.zeros((p, p)), list(range(p)), weights=weights)
-    th = _as_threshold(op, alpha_factor=1.0)
-    th["tail_scale"] = float(tail_scale)
-    return th
+    return replace(_as_threshold(op, alpha_factor=1.0), tail_scale=float(tail_scale))
 
 
-def _as_threshold(op: dict, alpha_factor: float) -> dict:
-    rho, se = op["rho"], op["rho_stderr"]
+def _as_threshold(op: Operator, alpha_factor: float) -> Threshold:
+    rho, se = op.rho, op.rho_stderr
     alpha = 1.0 / rho if rho > 0 else float("inf")
-    return {"alpha": alpha, "stderr": se / rho**2 if rho > 0 else float("inf"), "rho": rho, "rho_stderr": se,
-            "direction": op["direction"], "subspace": direction_support(op["direction"], op["block"]),
-            "F": op["F"], "F_stderr": op["F_stderr"]}
+    return Threshold(alpha=alpha, stderr=se / rho**2 if rho > 0 else float("inf"), rho=rho, rho_stderr=se,
+                     direction=op.direction, subspace=direction_support(op.direction, op.block),
+                     F=op.F, F_stderr=op.F_stderr)
 
 
 # ----------------------------------------------------------------------------- staircase
 def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se: Channel,
-                   alpha_max: float = 20.0, xtol: float = 1e-4) -> dict:
+                   alpha_max: float = 20.0, xtol: float = 1e-4) -> Threshold:
     """Smallest alpha > alpha_start with alpha * rho(F_P(Q*_U(alpha))) = 1, U = learned, P = rest.
 
     Q*_U(alpha) is the SE fixed point restricted to U (uninformed start, warm-started along alpha).
@@ -297,7 +348,7 @@ def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se:
         se = state_evolution(model, alpha, init=init, restrict=learned, channel=ch_se, errors=False,
                              tol=1e-5, init_eps=1e-3)
         op = operator(ch_op, se.Q, P)
-        cache[alpha] = {"op": op, "Q": se.Q, "f": alpha * op["rho"] - 1.0}
+        cache[alpha] = {"op": op, "Q": se.Q, "f": alpha * op.rho - 1.0}
         return cache[alpha]
 
     # Bracket upwards in steps of 15 %. The point right after the previous threshold is evaluated
@@ -323,9 +374,8 @@ def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se:
     # stderr: QMC error of rho propagated through the slope of alpha * rho(alpha)
     a2 = root * 1.01
     slope = (evaluate(a2)["f"] - ev["f"]) / (a2 - root)
-    stderr = root * ev["op"]["rho_stderr"] / max(slope, 1e-12)
-    th = _as_threshold(ev["op"], 1.0)
-    th.update(alpha=float(root), stderr=float(stderr), Q_branch=ev["Q"], jump=False)
+    stderr = root * ev["op"].rho_stderr / max(slope, 1e-12)
+    th = replace(_as_threshold(ev["op"], 1.0), alpha=float(root), stderr=float(stderr), Q_branch=ev["Q"], jump=False)
     # The branch Q*_U(alpha) can jump to perfect recovery of U (Q*_U -> I, a first-order
     # transition of the restricted SE). Across the jump alpha * rho jumps from < 1 to > 1 (the
     # degenerate "U perfectly learned" operator of theory section 5), so the root sits at the
@@ -335,8 +385,8 @@ def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se:
     q_lo = float(np.max(np.diag(evaluate(a1)["Q"])[list(learned)]))
     q_hi = float(np.max(np.diag(evaluate(a2)["Q"])[list(learned)]))
     if q_hi > 1 - 1e-6 and q_lo < 1 - 1e-3:
-        th.update(jump=True, subspace=list(P), stderr=float(a2 - a1) / 2,
-                  direction=np.eye(len(P)) / np.sqrt(len(P)))
+        th = replace(th, jump=True, subspace=list(P), stderr=float(a2 - a1) / 2,
+                     direction=np.eye(len(P)) / np.sqrt(len(P)))
     return th
 
 
@@ -374,12 +424,12 @@ def branch_point(ch: Channel, k: int, P, q: float) -> dict:
     op = operator(ch, Q, P, den)
     a = q / ((1.0 - q) * e_r.mean())
     a_loo = q / ((1.0 - q) * e_loo)
-    return {"q": q, "alpha": float(a), "alpha_loo": a_loo, "op": op, "f": float(a * op["rho"] - 1.0),
-            "f_loo": a_loo * op["rho_loo"] - 1.0, "Q": Q}
+    return {"q": q, "alpha": float(a), "alpha_loo": a_loo, "op": op, "f": float(a * op.rho - 1.0),
+            "f_loo": a_loo * op.rho_loo - 1.0, "Q": Q}
 
 
 def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alpha_max: float = 20.0,
-                          xtol: float = 1e-4) -> dict:
+                          xtol: float = 1e-4) -> Threshold:
     """Like :func:`next_threshold` for a single learned index k, from the parametric branch alpha(q):
     walk the records of alpha(q) upwards in s = -log(1 - q) and stop at the first point where
     alpha rho(F_P) >= 1; the root is refined by brentq in s (continuous branch), or sits at a jump
@@ -409,12 +459,11 @@ def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alp
     def jump(s_a, s_b):
         """Threshold at the jump of the branch from its local maximum s_a to s_b (None: to q = 1)."""
         a, b = at(s_a), (at(s_b) if s_b is not None else None)
-        th = _as_threshold(b["op"] if b is not None else a["op"], 1.0)
-        th.update(alpha=a["alpha"], stderr=jackknife_stderr(a["alpha_loo"]), jump=True, subspace=list(P),
-                  direction=np.eye(len(P)) / np.sqrt(len(P)),
-                  Q_branch=(b["Q"] if b is not None else np.diag(np.eye(model.p)[k])), q_before=a["q"],
-                  q_after=(b["q"] if b is not None else 1.0), method="parametric branch")
-        return th
+        return replace(_as_threshold(b["op"] if b is not None else a["op"], 1.0),
+                       alpha=a["alpha"], stderr=jackknife_stderr(a["alpha_loo"]), jump=True, subspace=list(P),
+                       direction=np.eye(len(P)) / np.sqrt(len(P)),
+                       Q_branch=(b["Q"] if b is not None else np.diag(np.eye(model.p)[k])), q_before=a["q"],
+                       q_after=(b["q"] if b is not None else 1.0), method="parametric branch")
 
     def root(lo, hi):
         """Continuous root of f in [lo, hi] (f(lo) < 0 <= f(hi)), jackknifed."""
@@ -426,10 +475,8 @@ def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alp
         slope = (r2["f_loo"] - r["f_loo"]) / (s2 - s_root)
         s_loo = s_root - r["f_loo"] / np.where(slope > 0, slope, np.inf)
         a_loo = r["alpha_loo"] + (r2["alpha_loo"] - r["alpha_loo"]) / (s2 - s_root) * (s_loo - s_root)
-        th = _as_threshold(r["op"], 1.0)
-        th.update(alpha=r["alpha"], stderr=jackknife_stderr(a_loo), jump=False, Q_branch=r["Q"], q_before=r["q"],
-                  q_after=r["q"], method="parametric branch")
-        return th
+        return replace(_as_threshold(r["op"], 1.0), alpha=r["alpha"], stderr=jackknife_stderr(a_loo), jump=False,
+                       Q_branch=r["Q"], q_before=r["q"], q_after=r["q"], method="parametric branch")
 
     # walk: amax = running maximum of alpha(q) (the branch's alpha so far); lo = last branch point
     # with f < 0; dip = s of the last record before alpha(q) fell below amax (None on the branch)
@@ -443,7 +490,7 @@ def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alp
             amax = max(amax, at(s_a)["alpha"])
             if pt["alpha"] >= amax:
                 s_b = brentq(lambda x: at(x)["alpha"] - amax, s_prev, s, xtol=xtol)
-                if amax * at(s_b)["op"]["rho"] - 1.0 >= 0:
+                if amax * at(s_b)["op"].rho - 1.0 >= 0:
                     return jump(s_a, s_b)
                 lo, dip = s_b, None
         if dip is None and pt["alpha"] >= amax:  # on the branch
@@ -464,16 +511,14 @@ def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alp
                                f"alpha rho < 1 on {P}: no threshold located")
 
 
-# Replicas of the staircase operator points. At 2^13 points, 32 replicas of 256 give the same
-# spread of the layer-1 root of the two-layer model as 8 of 1024 (sd 0.0051 vs 0.0056 over 40
-# seeds: short replicas lose no QMC accuracy on this heavy-tailed integrand) but a ± that holds:
-# z-scores about the seed mean have sd 0.99 (max |z| 2.3) against 1.37 (max 3.9) with 8.
+# Replicas of the staircase operator points: short replicas lose no QMC accuracy on this
+# heavy-tailed integrand, and many of them give a ± that holds (docs/tuning.md).
 STAIR_REPLICAS = 32
 
 
 def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14, replicas: int = 8,
               se_samples: int = 2048, nodes=None, seed=0, parametric: bool = True,
-              op_replicas: int = STAIR_REPLICAS) -> list[dict]:
+              op_replicas: int = STAIR_REPLICAS) -> list[StaircaseStep]:
     """Ordered list of the next thresholds after ``first`` is learned at alpha_c. A single learned
     index uses the parametric branch (:func:`next_threshold_branch`, operator points only) unless
     ``parametric`` is False; larger learned blocks iterate the restricted SE (``se_samples``,
@@ -488,19 +533,29 @@ def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14
         else:
             ch_se = ch_se or make_channel(model, samples=se_samples, replicas=replicas, seed=seed + 2, nodes=nodes)
             th = next_threshold(model, learned, alpha, ch_op=ch_op, ch_se=ch_se)
-        sub = th["subspace"] or [i for i in range(model.p) if i not in learned]
-        steps.append({"subspace": sub, "alpha": th["alpha"], "stderr": th["stderr"], "jump": th["jump"],
-                      "method": th.get("method", "restricted SE"),
-                      "direction": th["direction"], "rho": th["rho"], "Q_branch": th["Q_branch"],
-                      "replicas": op_replicas})
-        learned, alpha = sorted(set(learned) | set(sub)), th["alpha"]
+        sub = th.subspace or [i for i in range(model.p) if i not in learned]
+        steps.append(StaircaseStep(subspace=sub, alpha=th.alpha, stderr=th.stderr, jump=th.jump,
+                                   method=th.method or "restricted SE", direction=th.direction, rho=th.rho,
+                                   Q_branch=th.Q_branch, replicas=op_replicas))
+        learned, alpha = sorted(set(learned) | set(sub)), th.alpha
     return steps
 
 
 # ----------------------------------------------------------------------------- second method
+@dataclass
+class SideInfoThreshold(Result):
+    """alpha_c located by the SE with tiny side information (see :func:`threshold_by_side_information`)."""
+
+    alpha: float
+    bracket: list
+    lam: float
+    level: float
+    samples: int
+
+
 def threshold_by_side_information(model, *, lo: float, hi: float, block=None, learned=None, lam: float = 1e-8,
                                   level: float = 1e-4, samples: int = 8192, replicas: int = 8, nodes=None,
-                                  seed=0, xtol: float = 2e-4) -> dict:
+                                  seed=0, xtol: float = 2e-4) -> SideInfoThreshold:
     """Bisection in alpha for where the SE overlap on ``block`` (tiny side information lam there)
     leaves zero: max diag Q_block > level. ``learned``: indices started informed-ish (1e-3),
     the others at 0. Returns alpha, bracket and the QMC stderr of the SE's own operator."""
@@ -520,15 +575,36 @@ def threshold_by_side_information(model, *, lo: float, hi: float, block=None, le
     while hi - lo > xtol:
         mid = 0.5 * (lo + hi)
         lo, hi = (lo, mid) if learned_at(mid) else (mid, hi)
-    return {"alpha": 0.5 * (lo + hi), "bracket": [lo, hi], "lam": lam, "level": level,
-            "samples": samples}
+    return SideInfoThreshold(alpha=0.5 * (lo + hi), bracket=[lo, hi], lam=lam, level=level, samples=samples)
 
 
 # ----------------------------------------------------------------------------- report
+@dataclass
+class ThresholdReport(Result):
+    """What ``aimsym thresholds`` prints: alpha_c (``initial``), the staircase, the optional
+    side-information check and perfect-recovery transition, accuracy and provenance."""
+
+    initial: Threshold
+    staircase: list
+    check: SideInfoThreshold | None = None
+    perfect_recovery: object = None  # aimsym.smi.perfect.PerfectRecovery
+    accuracy: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    provenance: dict = field(default_factory=dict)
+    OPTIONAL = ("check", "perfect_recovery")
+    INITIAL_KEYS = ("alpha", "stderr", "rho", "rho_stderr", "direction", "subspace", "F", "F_stderr")
+
+    def to_json(self) -> dict:
+        out = super().to_json()
+        # the report's alpha_c leaves out how its points were drawn (tail_scale)
+        out["initial"] = {k: getattr(self.initial, k) for k in self.INITIAL_KEYS}
+        return out
+
+
 def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=None, seed=0,
                      staircase_steps: bool = True, staircase: bool | None = None, se_samples: int = 2048,
                      check: bool = False, perfect: bool = True, pr_samples: int = 1024,
-                     pr_algorithmic: bool = True) -> dict:
+                     pr_algorithmic: bool = True) -> ThresholdReport:
     """alpha_c, the staircase and (``perfect``) the perfect-recovery transition
     (:func:`aimsym.smi.perfect.perfect_recovery` on ``pr_samples`` SE points; ``pr_algorithmic=False``:
     local stability only)."""
@@ -536,27 +612,25 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
     do_stairs = staircase_steps if staircase is None else staircase
     ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
     ini = initial_threshold(model, channel=ch, nodes=nodes)
-    rep = {"initial": {k: ini[k] for k in ("alpha", "stderr", "rho", "rho_stderr", "direction", "subspace",
-                                            "F", "F_stderr")}}
-    steps = [{"subspace": ini["subspace"], "alpha": ini["alpha"], "stderr": ini["stderr"]}]
-    if do_stairs and len(ini["subspace"]) < model.p and np.isfinite(ini["alpha"]):
-        steps += _staircase(model, ini["alpha"], ini["subspace"], samples=max(samples // 4, 1024),
+    steps = [StaircaseStep(subspace=ini.subspace, alpha=ini.alpha, stderr=ini.stderr)]
+    if do_stairs and len(ini.subspace) < model.p and np.isfinite(ini.alpha):
+        steps += _staircase(model, ini.alpha, ini.subspace, samples=max(samples // 4, 1024),
                             replicas=replicas, se_samples=se_samples, nodes=nodes, seed=seed)
-    rep["staircase"] = steps
-    if check and np.isfinite(ini["alpha"]):
-        a = ini["alpha"]
-        rep["check"] = threshold_by_side_information(model, lo=0.8 * a, hi=1.25 * a, nodes=nodes, seed=seed + 7)
+    rep = ThresholdReport(initial=ini, staircase=steps)
+    if check and np.isfinite(ini.alpha):
+        a = ini.alpha
+        rep.check = threshold_by_side_information(model, lo=0.8 * a, hi=1.25 * a, nodes=nodes, seed=seed + 7)
     if perfect:
         from .perfect import perfect_recovery
 
-        rep["perfect_recovery"] = perfect_recovery(model, samples=pr_samples, replicas=replicas, seed=seed,
-                                                   nodes=nodes, algorithmic=pr_algorithmic)
+        rep.perfect_recovery = perfect_recovery(model, samples=pr_samples, replicas=replicas, seed=seed, nodes=nodes,
+                                                algorithmic=pr_algorithmic)
     accuracy = {**ch.den.accuracy, "samples": samples, "replicas": replicas, "se_samples": se_samples,
                 "pr_samples": pr_samples if perfect else None, "rule": "scrambled Sobol (randomised QMC)"}
-    rep["accuracy"] = accuracy
-    rep["seconds"] = time.perf_counter() - t0
-    rep["provenance"] = provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,
-                                   parameters=dict(model.parameters))
+    rep.accuracy = accuracy
+    rep.seconds = time.perf_counter() - t0
+    rep.provenance = provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,
+                                parameters=dict(model.parameters))
     return rep
 
 
@@ -571,10 +645,40 @@ _staircase = staircase
 SKIP_FLOOR = 1e-6
 
 
+@dataclass
+class PhasePoint(Result):
+    """One point of the phase diagram; in JSON the swept parameter's name is the key of its value."""
+
+    parameter: str
+    value: float
+    evaluated_at: float
+    note: str | None
+    staircase: list
+    perfect_recovery: dict | None
+    direction: list
+    seconds: float
+    provenance: dict
+
+    def to_json(self) -> dict:
+        out = super().to_json()
+        del out["parameter"], out["value"]
+        return {self.parameter: self.value, **out}
+
+
+@dataclass
+class PhaseDiagram(Result):
+    """:func:`phase_point` at every value of one parameter, sorted by value."""
+
+    model: str
+    parameter: str
+    points: list
+    seconds: float
+
+
 def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, replicas: int = 8,
                 stair_samples: int = 1 << 13, se_samples: int = 1024, seed: int = 0, nodes=None,
                 stair_nodes=None, staircase: bool = True, perfect: bool = False, pr_samples: int = 1024,
-                pr_algorithmic: bool = True) -> dict:
+                pr_algorithmic: bool = True) -> PhasePoint:
     """alpha_c and the staircase thresholds of one model at ``name = value`` (one phase-diagram
     point); ``perfect``: also the perfect-recovery transition (:mod:`aimsym.smi.perfect`): where
     the uninformed SE reaches Q = I, or with ``pr_algorithmic=False`` only where Q = I is locally
@@ -590,11 +694,12 @@ def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, 
     n_ini = nodes
     n_st = stair_nodes if stair_nodes is not None else n_ini
     ini = initial_threshold(model, samples=samples, replicas=replicas, nodes=n_ini, seed=seed)
-    steps = [{"subspace": ini["subspace"], "alpha": ini["alpha"], "stderr": ini["stderr"]}]
-    if staircase and len(ini["subspace"]) < model.p and np.isfinite(ini["alpha"]):
-        for s in _staircase(model, ini["alpha"], ini["subspace"], samples=stair_samples, replicas=replicas,
+    steps = [StaircaseStep(subspace=ini.subspace, alpha=ini.alpha, stderr=ini.stderr)]
+    if staircase and len(ini.subspace) < model.p and np.isfinite(ini.alpha):
+        for s in _staircase(model, ini.alpha, ini.subspace, samples=stair_samples, replicas=replicas,
                             se_samples=se_samples, nodes=n_st, seed=seed):
-            steps.append({k: s[k] for k in ("subspace", "alpha", "stderr", "jump", "method")})
+            steps.append(StaircaseStep(subspace=s.subspace, alpha=s.alpha, stderr=s.stderr, jump=s.jump,
+                                       method=s.method))
     pr = None
     if perfect:
         from .perfect import perfect_recovery
@@ -607,13 +712,13 @@ def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, 
                 "replicas": replicas, "nodes_initial": n_ini, "nodes_staircase": n_st,
                 "pr_samples": pr_samples if perfect else None, "pr_algorithmic": pr_algorithmic if perfect else None,
                 "rule": "scrambled Sobol (randomised QMC)"}
-    return {name: float(value), "evaluated_at": used, "note": note, "staircase": steps, "perfect_recovery": pr,
-            "direction": ini["direction"].tolist(), "seconds": time.perf_counter() - t0,
-            "provenance": provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,
-                                     parameters=dict(model.parameters))}
+    return PhasePoint(parameter=name, value=float(value), evaluated_at=used, note=note, staircase=steps,
+                      perfect_recovery=pr, direction=ini.direction.tolist(), seconds=time.perf_counter() - t0,
+                      provenance=provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,
+                                            parameters=dict(model.parameters)))
 
 
-def phase_diagram(model_path, name: str, values, *, workers=None, progress: bool = False, **kw) -> dict:
+def phase_diagram(model_path, name: str, values, *, workers=None, progress: bool = False, **kw) -> PhaseDiagram:
     """:func:`phase_point` at every value, in a local (spawned) process pool; sorted by value."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -632,8 +737,8 @@ def phase_diagram(model_path, name: str, values, *, workers=None, progress: bool
             futs = [ex.submit(phase_point, str(model_path), name, v, **kw) for v in values]
             for f in tqdm(as_completed(futs), total=len(futs), desc="phase diagram", disable=not progress):
                 pts.append(f.result())
-    pts.sort(key=lambda d: d[name])
-    return {"model": str(model_path), "parameter": name, "points": pts, "seconds": time.perf_counter() - t0}
+    pts.sort(key=lambda d: d.value)
+    return PhaseDiagram(model=str(model_path), parameter=name, points=pts, seconds=time.perf_counter() - t0)
 
 
 def phase_rows(pd: dict) -> list[dict]:

@@ -119,8 +119,8 @@ def finite_size_series(alpha, rho=0.5, plan=((60, 8), (100, 8)), tokens=2, activ
             rec = {"activation": activation, "alpha": float(alpha), "rho": float(rho), "tokens": int(tokens),
                    "beta": float(beta), "prior": prior, "sensing": sensing, "noise_law": noise_law,
                    "d": int(d), "seed": seed,
-                   "mmse": res["mmse"],
-                   "unstable": bool(res["unstable"]), "iterations": res["iterations"],
+                   "mmse": res.mmse,
+                   "unstable": bool(res.unstable), "iterations": res.iterations,
                    "cpu_seconds": time.process_time() - t}
             records.append(rec)
             if out is not None:
