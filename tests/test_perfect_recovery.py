@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aimsym
+from aimsym.derive.spec import loads
 from aimsym.smi.perfect import local_stability, perfect_recovery
 from aimsym.smi.se import PERFECT_RESOLUTION, make_channel, state_evolution
 from aimsym.derive.symbolic import counting_rank, derive
@@ -110,7 +111,7 @@ def test_counting_rank_equals_exact_rank_on_declared_links(outputs, seed):
     equals SymPy's exact rank (at random rational points), and alpha_PR = p / m."""
     # (the last output uses both indices: a link that ignores one is refused as degenerate)
     link = "[" + ", ".join(f'"{o}"' for o in outputs + ["z[0, 0] * exp(z[1, 0])"]) + "]"
-    spec = aimsym.spec.loads(f'[model]\nkind = "smi"\nindices = 2\ntokens = 1\nlink = {link}\n')
+    spec = loads(f'[model]\nkind = "smi"\nindices = 2\ntokens = 1\nlink = {link}\n')
     d = derive(spec)
     c = counting_rank(d)
     assert c["m"] == _exact_rank(d, np.random.default_rng(seed))
