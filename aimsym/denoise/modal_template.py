@@ -880,5 +880,6 @@ def modal_finish(omega, V, idx, tot, etot, fshift, g_out, dg_out, extra, status)
             for c in range(a + 1):
                 S2[a, c] = tot[r, q]
                 q += 1
-        status[r] = _finish(fshift[r], tot[r, 0], tot[r, 0] * tot[r, 0], S1, S2, Vinv, g_out[r], dg_out[r], extra[r])
+        # (Sw2 = 1: the effective node count is not used here; S0^2 underflowed to 0 for y = z1 z2)
+        status[r] = _finish(fshift[r], tot[r, 0], 1.0, S1, S2, Vinv, g_out[r], dg_out[r], extra[r])
         extra[r, 2] = MODAL_SAFETY * _propagated_error(tot[r], etot[r], Vinv, pt, p, nt)
