@@ -225,7 +225,7 @@ def _fast_path(K, obs, omega, V, params, nc, cb, cm, cL, cla, tol, g, dg, extra,
             d = ex[:, 2] / K.MODAL_SAFETY
             # not decreasing (both changes at rounding level, or not yet converging): the sum
             est = np.maximum(np.where(d < prev_d, d, d + prev_d), FAST_ROUNDING)
-            ok = (st == 0) & (est <= tol)
+            ok = (st == 0) & (est <= tol) & np.isfinite(gg).all(axis=(1, 2)) & np.isfinite(dd).all(axis=(1, 2, 3, 4))
             sel = active[ok]
             g[sel], dg[sel], extra[sel] = gg[ok], dd[ok], ex[ok]
             extra[sel, 2] = est[ok]
