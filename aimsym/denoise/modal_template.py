@@ -508,6 +508,16 @@ def _apply_rule(j, c, h, gp, w7, w5, obs, params, z, omega, Vinv, logdet_V, nc, 
 
 
 @njit(cache=True)
+def _region_total(rI, nr, tot):
+    """tot = the sum of the moment sums of the first nr regions."""
+    for q in range(tot.shape[0]):
+        tot[q] = 0.0
+    for r in range(nr):
+        for q in range(tot.shape[0]):
+            tot[q] += rI[r, q]
+
+
+@njit(cache=True)
 def _heap_push(heap, hn, key, r):
     """Push region r on the max-heap (by key); returns the new size."""
     i = hn
@@ -682,11 +692,7 @@ def modal_adaptive_one(obs, omega, V, params, nc, cb, cm, cL, cla, gp, w7, w5, t
     while True:
         if nr >= check_at:
             check_at = 2 * nr
-            for q in range(nq):  # refresh the running totals (rounding drift)
-                tot[q] = 0.0
-            for r in range(nr):
-                for q in range(nq):
-                    tot[q] += rI[r, q]
+            _region_total(rI, nr, tot)  # refresh the running totals (rounding drift)
             if have_prev:
                 for q in range(nq):
                     diff[q] = abs(tot[q] - prev[q])
@@ -726,11 +732,7 @@ def modal_adaptive_one(obs, omega, V, params, nc, cb, cm, cL, cla, gp, w7, w5, t
         hn = _heap_push(heap, hn, re, nr)
         nr += 1
         n_eval += 2 * gp.shape[0]
-    for q in range(nq):
-        tot[q] = 0.0
-    for r in range(nr):
-        for q in range(nq):
-            tot[q] += rI[r, q]
+    _region_total(rI, nr, tot)
     if have_prev:
         for q in range(nq):
             etot[q] = abs(tot[q] - prev[q])

@@ -246,16 +246,21 @@ def rescue(model, den, out, args, kw):
     modal = _modal(model, tol)
     if modal is None:
         return out
-    y, om, V = args
-    sub_kw = {k: v[bad] for k, v in kw.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        o2 = modal(None if y is None else y[bad], om[bad], V if V.ndim == 2 else V[bad], **sub_kw)
+        o2 = _call_subset(modal, args, kw, bad)
     better = np.asarray(o2.error) < np.asarray(err).ravel()[bad]
     idx = bad[better]
     for name in ("g_out", "dg_out", "log_z_out", "ess", "error"):
         getattr(out, name)[idx] = getattr(o2, name)[better]
     return out
+
+
+def _call_subset(den, args, kw, idx):
+    """``den`` on the samples idx of a flattened call (args = (y or None, omega, V), kw: obs)."""
+    y, om, V = args
+    sub_kw = {k: v[idx] for k, v in kw.items()}
+    return den(None if y is None else y[idx], om[idx], V if V.ndim == 2 else V[idx], **sub_kw)
 
 
 def _refill_non_finite(out, den, args, kw):
@@ -267,8 +272,7 @@ def _refill_non_finite(out, den, args, kw):
                            & np.isfinite(out.dg_out.reshape(n, -1)).all(axis=1) & np.isfinite(out.log_z_out.ravel())))
     if bad.size == 0:
         return out
-    y, om, V = args
-    o2 = den(None if y is None else y[bad], om[bad], V if V.ndim == 2 else V[bad], **{k: v[bad] for k, v in kw.items()})
+    o2 = _call_subset(den, args, kw, bad)
     for name in ("g_out", "dg_out", "log_z_out", "ess"):
         getattr(out, name).reshape(n, -1)[bad] = getattr(o2, name).reshape(bad.size, -1)
     if getattr(out, "error", None) is not None:
