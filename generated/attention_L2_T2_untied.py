@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_untied
 spec hash: d8a6e2bfe6d0f663
-generator: 0.1.0+150608e20f
+generator: 0.1.0+f176fdc90c
 denoiser path: exact (untied softmax last layer: y fixes q d^T (d: key differences); query integrated exactly, key marginalised analytically down to d; reduced integral of dimension 5)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'd8a6e2bfe6d0f663'
-GENERATOR_VERSION = '0.1.0+150608e20f'
+GENERATOR_VERSION = '0.1.0+f176fdc90c'
 NAME = 'attention_L2_T2_untied'
 P = 4
 T = 2
@@ -370,6 +370,30 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+CHAMBER_BLOCKS = ()  # (row of Z, layer) per free row
+CHAMBER_LAYERS = 0
+
+
+@njit(cache=True)
+def block_activation(b, q, params, S):
+    return None
+
+
+@njit(cache=True)
+def layer_skip(l, params):
+    return math.nan
+
+
+@njit(cache=True)
+def block_beta(b, params):
+    return math.nan
+
+
+@njit(cache=True)
+def block_bound(b, R, params):
+    return math.nan
 
 
 def observation_values(Z, params):

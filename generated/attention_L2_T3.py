@@ -2,7 +2,7 @@
 
 model: attention_L2_T3
 spec hash: b0844d41f655f71c
-generator: 0.1.0+150608e20f
+generator: 0.1.0+f176fdc90c
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'b0844d41f655f71c'
-GENERATOR_VERSION = '0.1.0+150608e20f'
+GENERATOR_VERSION = '0.1.0+f176fdc90c'
 NAME = 'attention_L2_T3'
 P = 2
 T = 3
@@ -569,6 +569,90 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+CHAMBER_BLOCKS = ((0, 1),)  # (row of Z, layer) per free row
+CHAMBER_LAYERS = 1
+
+
+
+@njit(cache=True)
+def block_activation(b, q, params, S):
+    r"""Block b's term a_h sigma(beta q q^T) of its layer's mixing matrix, into S (T, T).
+
+    .. math::
+
+        S^{(b=0)} = 1 \sigma_{\mathrm{softmax}}\left(1\, q q^\top\right) \\
+    """
+    q_0 = q[0]
+    q_1 = q[1]
+    q_2 = q[2]
+    c = params[0]
+    if b == 0:
+        _A0_0_0 = q_0**2
+        _A0_1_1 = q_1**2
+        _A0_2_2 = q_2**2
+        _S0_0_0_r = (0.0, -_A0_0_0 + q_0*q_1, -_A0_0_0 + q_0*q_2)
+        _S0_0_0_m = max(_S0_0_0_r)
+        _S0_0_0 = math.exp(_S0_0_0_r[0] - _S0_0_0_m)
+        _S0_0_1 = math.exp(_S0_0_0_r[1] - _S0_0_0_m)
+        _S0_0_2 = math.exp(_S0_0_0_r[2] - _S0_0_0_m)
+        _S0_0_0_s = 1.0 / (_S0_0_0 + _S0_0_1 + _S0_0_2)
+        _S0_0_0 *= _S0_0_0_s
+        _S0_0_1 *= _S0_0_0_s
+        _S0_0_2 *= _S0_0_0_s
+        _S0_1_0_r = (0.0, _A0_1_1 - q_0*q_1, -q_0*q_1 + q_1*q_2)
+        _S0_1_0_m = max(_S0_1_0_r)
+        _S0_1_0 = math.exp(_S0_1_0_r[0] - _S0_1_0_m)
+        _S0_1_1 = math.exp(_S0_1_0_r[1] - _S0_1_0_m)
+        _S0_1_2 = math.exp(_S0_1_0_r[2] - _S0_1_0_m)
+        _S0_1_0_s = 1.0 / (_S0_1_0 + _S0_1_1 + _S0_1_2)
+        _S0_1_0 *= _S0_1_0_s
+        _S0_1_1 *= _S0_1_0_s
+        _S0_1_2 *= _S0_1_0_s
+        _S0_2_0_r = (0.0, -q_0*q_2 + q_1*q_2, _A0_2_2 - q_0*q_2)
+        _S0_2_0_m = max(_S0_2_0_r)
+        _S0_2_0 = math.exp(_S0_2_0_r[0] - _S0_2_0_m)
+        _S0_2_1 = math.exp(_S0_2_0_r[1] - _S0_2_0_m)
+        _S0_2_2 = math.exp(_S0_2_0_r[2] - _S0_2_0_m)
+        _S0_2_0_s = 1.0 / (_S0_2_0 + _S0_2_1 + _S0_2_2)
+        _S0_2_0 *= _S0_2_0_s
+        _S0_2_1 *= _S0_2_0_s
+        _S0_2_2 *= _S0_2_0_s
+        S[0, 0] = _S0_0_0
+        S[0, 1] = _S0_0_1
+        S[0, 2] = _S0_0_2
+        S[1, 0] = _S0_1_0
+        S[1, 1] = _S0_1_1
+        S[1, 2] = _S0_1_2
+        S[2, 0] = _S0_2_0
+        S[2, 1] = _S0_2_1
+        S[2, 2] = _S0_2_2
+    return None
+
+
+@njit(cache=True)
+def layer_skip(l, params):
+    c = params[0]
+    if l == 1:
+        return float(c)
+    return math.nan
+
+
+@njit(cache=True)
+def block_beta(b, params):
+    c = params[0]
+    if b == 0:
+        return abs(float(1))
+    return math.nan
+
+
+@njit(cache=True)
+def block_bound(b, R, params):
+    c = params[0]
+    if b == 0:
+        return abs(float(1)) * 1.7320508075688772
+    return math.nan
 
 
 def observation_values(Z, params):

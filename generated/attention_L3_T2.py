@@ -2,7 +2,7 @@
 
 model: attention_L3_T2
 spec hash: a55bd7fb68e63aa4
-generator: 0.1.0+150608e20f
+generator: 0.1.0+f176fdc90c
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'a55bd7fb68e63aa4'
-GENERATOR_VERSION = '0.1.0+150608e20f'
+GENERATOR_VERSION = '0.1.0+f176fdc90c'
 NAME = 'attention_L3_T2'
 P = 3
 T = 2
@@ -432,6 +432,74 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+CHAMBER_BLOCKS = ((0, 1), (1, 2))  # (row of Z, layer) per free row
+CHAMBER_LAYERS = 2
+
+
+
+@njit(cache=True)
+def block_activation(b, q, params, S):
+    r"""Block b's term a_h sigma(beta q q^T) of its layer's mixing matrix, into S (T, T).
+
+    .. math::
+
+        S^{(b=0)} = 1 \sigma_{\mathrm{softmax}}\left(1\, q q^\top\right) \\
+        S^{(b=1)} = 1 \sigma_{\mathrm{softmax}}\left(1\, q q^\top\right) \\
+    """
+    q_0 = q[0]
+    q_1 = q[1]
+    c = params[0]
+    if b == 0:
+        _A0_0_0 = q_0**2
+        _A0_1_1 = q_1**2
+        _S0_0_0, _S0_0_1 = _softmax2(-_A0_0_0 + q_0*q_1)
+        _S0_1_0, _S0_1_1 = _softmax2(_A0_1_1 - q_0*q_1)
+        S[0, 0] = _S0_0_0
+        S[0, 1] = _S0_0_1
+        S[1, 0] = _S0_1_0
+        S[1, 1] = _S0_1_1
+    elif b == 1:
+        _A1_0_0 = q_0**2
+        _A1_1_1 = q_1**2
+        _S1_0_0, _S1_0_1 = _softmax2(-_A1_0_0 + q_0*q_1)
+        _S1_1_0, _S1_1_1 = _softmax2(_A1_1_1 - q_0*q_1)
+        S[0, 0] = _S1_0_0
+        S[0, 1] = _S1_0_1
+        S[1, 0] = _S1_1_0
+        S[1, 1] = _S1_1_1
+    return None
+
+
+@njit(cache=True)
+def layer_skip(l, params):
+    c = params[0]
+    if l == 1:
+        return float(c)
+    elif l == 2:
+        return float(c)
+    return math.nan
+
+
+@njit(cache=True)
+def block_beta(b, params):
+    c = params[0]
+    if b == 0:
+        return abs(float(1))
+    elif b == 1:
+        return abs(float(1))
+    return math.nan
+
+
+@njit(cache=True)
+def block_bound(b, R, params):
+    c = params[0]
+    if b == 0:
+        return abs(float(1)) * 1.4142135623730951
+    elif b == 1:
+        return abs(float(1)) * 1.4142135623730951
+    return math.nan
 
 
 def observation_values(Z, params):

@@ -2,7 +2,7 @@
 
 model: attention_hardmax_L1_T2
 spec hash: f90cb13227cdef10
-generator: 0.1.0+150608e20f
+generator: 0.1.0+f176fdc90c
 denoiser path: exact (hardmax, one layer, T = 2: region constraint (union of wedges), closed form)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'f90cb13227cdef10'
-GENERATOR_VERSION = '0.1.0+150608e20f'
+GENERATOR_VERSION = '0.1.0+f176fdc90c'
 NAME = 'attention_hardmax_L1_T2'
 P = 1
 T = 2
@@ -196,6 +196,30 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+CHAMBER_BLOCKS = ()  # (row of Z, layer) per free row
+CHAMBER_LAYERS = 0
+
+
+@njit(cache=True)
+def block_activation(b, q, params, S):
+    return None
+
+
+@njit(cache=True)
+def layer_skip(l, params):
+    return math.nan
+
+
+@njit(cache=True)
+def block_beta(b, params):
+    return math.nan
+
+
+@njit(cache=True)
+def block_bound(b, R, params):
+    return math.nan
 
 
 observation_values = None  # the denoiser observes y itself

@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+150608e20f
+generator: 0.1.0+f176fdc90c
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+150608e20f'
+GENERATOR_VERSION = '0.1.0+f176fdc90c'
 NAME = 'gaussian_channel'
 P = 1
 T = 1
@@ -157,6 +157,30 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+CHAMBER_BLOCKS = ()  # (row of Z, layer) per free row
+CHAMBER_LAYERS = 0
+
+
+@njit(cache=True)
+def block_activation(b, q, params, S):
+    return None
+
+
+@njit(cache=True)
+def layer_skip(l, params):
+    return math.nan
+
+
+@njit(cache=True)
+def block_beta(b, params):
+    return math.nan
+
+
+@njit(cache=True)
+def block_bound(b, R, params):
+    return math.nan
 
 
 observation_values = None  # the denoiser observes y itself

@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+150608e20f
+generator: 0.1.0+f176fdc90c
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+150608e20f'
+GENERATOR_VERSION = '0.1.0+f176fdc90c'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1
@@ -160,6 +160,30 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+CHAMBER_BLOCKS = ()  # (row of Z, layer) per free row
+CHAMBER_LAYERS = 0
+
+
+@njit(cache=True)
+def block_activation(b, q, params, S):
+    return None
+
+
+@njit(cache=True)
+def layer_skip(l, params):
+    return math.nan
+
+
+@njit(cache=True)
+def block_beta(b, params):
+    return math.nan
+
+
+@njit(cache=True)
+def block_bound(b, R, params):
+    return math.nan
 
 
 observation_values = None  # the denoiser observes y itself

@@ -2,7 +2,7 @@
 
 model: glm_sign
 spec hash: c64eee4aaf29a557
-generator: 0.1.0+150608e20f
+generator: 0.1.0+f176fdc90c
 denoiser path: exact (sign of a single index (z_0_0): half-space constraint, closed form)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'c64eee4aaf29a557'
-GENERATOR_VERSION = '0.1.0+150608e20f'
+GENERATOR_VERSION = '0.1.0+f176fdc90c'
 NAME = 'glm_sign'
 P = 1
 T = 1
@@ -150,6 +150,30 @@ def polar_rows(U, n, obs, params, W, J, E):
 
 POLAR_ROWS = 1
 POLAR_LINEAR_OBS = False
+
+
+CHAMBER_BLOCKS = ()  # (row of Z, layer) per free row
+CHAMBER_LAYERS = 0
+
+
+@njit(cache=True)
+def block_activation(b, q, params, S):
+    return None
+
+
+@njit(cache=True)
+def layer_skip(l, params):
+    return math.nan
+
+
+@njit(cache=True)
+def block_beta(b, params):
+    return math.nan
+
+
+@njit(cache=True)
+def block_bound(b, R, params):
+    return math.nan
 
 
 observation_values = None  # the denoiser observes y itself

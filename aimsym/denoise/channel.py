@@ -52,7 +52,7 @@ import warnings
 import numpy as np
 
 from ..errors import ChannelError
-from .output import DenoiserOutput
+from .output import DenoiserOutput, difference
 
 # default Gauss-Hermite points per dimension, by integral dimension (about 1e-9 relative
 # on the bundled models at moderate V, see docs/denoiser.md)
@@ -126,16 +126,6 @@ def _check_tol(tol):
 def _rows(V, idx):
     """V for the samples idx (V shared by the batch: unchanged)."""
     return np.ascontiguousarray(V if V.shape[0] == 1 else V[idx])
-
-
-def _difference(g, dg, g2, dg2, lz, lz2) -> np.ndarray:
-    """Per sample: largest difference of g_out and dg_out, relative to their size (at least 1),
-    and of log Z_out (absolute)."""
-    n = len(g)
-    gs = np.maximum(1.0, np.abs(g).reshape(n, -1).max(axis=1))
-    ds = np.maximum(1.0, np.abs(dg).reshape(n, -1).max(axis=1))
-    return np.maximum.reduce([np.abs(g - g2).reshape(n, -1).max(axis=1) / gs,
-                              np.abs(dg - dg2).reshape(n, -1).max(axis=1) / ds, np.abs(lz - lz2)])
 
 
 def gauss_hermite_rule(D: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -225,6 +215,11 @@ class Denoiser:
                      "hardmax-wedge": "closed-form",
                      "hardmax-wedge-mixed": "exact"}.get(self.kernels.PATH, "exact")
         if self.kernels.PATH in MODAL_ONLY:  # (the tensor rules do not carry a marginalised block)
+            rule = self.rule = "modal"
+        # reduced dimension >= 3 with attention blocks: the default is the certified rule (the chamber
+        # rule within ``aimsym.denoise.modal``); tensor Gauss-Hermite stalls at ~1e-3 there
+        if (rule == "auto" and defaults and self.dim >= 3
+                and len(getattr(self.kernels, "CHAMBER_BLOCKS", ())) > 0):
             rule = self.rule = "modal"
         if rule == "modal" and not (self.path == "exact" and self.kernels.PATH in ("attention-rank1", "solve",
                                                                                    *MODAL_ONLY) and self.dim > 0):
@@ -401,7 +396,7 @@ class Denoiser:
                     break
                 gb, dgb, eb = self._run(obs_f[bad], om_f[bad], _rows(V_f, bad), rules, dom[bad])
                 # new estimate: the larger rule against the previous one (or its own check)
-                eb_err = _difference(gb, dgb, g[bad], dg[bad], eb[:, 0], extra[bad, 0])
+                eb_err = difference(gb, dgb, g[bad], dg[bad], eb[:, 0], extra[bad, 0])
                 gh = np.isfinite(eb[:, 2])
                 eb_err[gh] = eb[gh, 2]
                 err[bad] = np.maximum(eb_err, eb[:, 3])
@@ -522,7 +517,7 @@ class Denoiser:
         rest = np.flatnonzero(~np.isfinite(err))
         if rest.size:
             g2, dg2, e2 = self._run(obs[rest], omega[rest], _rows(V, rest), self._rules(level, small=True), dom[rest])
-            err[rest] = _difference(g[rest], dg[rest], g2, dg2, extra[rest, 0], e2[:, 0])
+            err[rest] = difference(g[rest], dg[rest], g2, dg2, extra[rest, 0], e2[:, 0])
         return np.maximum(err, extra[:, 3])
 
     def _sized_run(self, obs, omega, V, rules):

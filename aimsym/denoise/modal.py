@@ -34,8 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
+from . import chamber
 
 TEMPLATE = Path(__file__).with_name("modal_template.py")
+# the chamber rule's driver (aimsym.denoise.chamber), appended with this one
+CHAMBER_TEMPLATE = Path(__file__).with_name("chamber_template.py")
 MARKER = "# ---- template begins ----"
 # screening grid: points per axis of the tensor Gauss-Hermite grid over the prior of u, spread
 # by SCREEN_SPREAD (so the grid reaches about 3 prior sd)
@@ -57,8 +60,10 @@ FAST_SIZES = {1: (12, 18, 27, 40), 2: (8, 12, 18, 27), 3: (6, 9, 13, 19), 4: (5,
 
 def _source(kernels) -> str:
     text = Path(kernels.__file__).read_text()
-    tmpl = TEMPLATE.read_text()
-    return text + "\n\n" + tmpl[tmpl.index(MARKER) + len(MARKER):]
+    for path in (TEMPLATE, CHAMBER_TEMPLATE):
+        tmpl = path.read_text()
+        text += "\n\n" + tmpl[tmpl.index(MARKER) + len(MARKER):]
+    return text
 
 
 def load(kernels):
@@ -157,40 +162,82 @@ def genz_malik(D: int):
 
 
 def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_REGIONS):
-    """Mode search and adaptive integration of a flattened batch (V leading size 1 or n).
+    """Error-controlled integration of a flattened batch (V leading size 1 or n): the chamber
+    rule (``aimsym.denoise.chamber``, where the model has attention blocks) first for samples
+    whose prior is broad next to the attention's switching layers, the fast path on the Laplace
+    mixture first for the others; then the other of the two, then the adaptive cubature.
     Returns g_out, dg_out, log Z_out, error estimate, function evaluations, budget-hit flags
     and a STATUS array."""
     K = load(kernels)
     D = int(K.INTEGRAL_DIM)
     n = omega.shape[0]
     p, T = omega.shape[1:]
-    xs = tensor(D, SCREEN.get(D, 3))[0] * SCREEN_SPREAD
-    fl = flips(K)
-    if fl.shape[0] == 0:
-        fl = np.zeros((0, D))
-    cb = np.zeros((n, MAX_COMP), np.int64)
-    cm = np.zeros((n, MAX_COMP, D))
-    cL = np.zeros((n, MAX_COMP, D, D))
-    cla = np.zeros((n, MAX_COMP))
-    nc = np.zeros(n, np.int64)
-    K.modal_modes(obs, omega, V, params, np.ascontiguousarray(xs), fl, N_START, INFLATE, cb, cm, cL, cla, nc)
     g = np.empty((n, p, T))
     dg = np.empty((n, p, T, p, T))
     extra = np.zeros((n, 4))
+    extra[:, 2] = np.inf
     status = np.zeros(n, np.int64)
-    status[nc < 0] = -nc[nc < 0]
-    fast = np.zeros(n, bool)
-    if FAST:
-        fast = _fast_path(K, obs, omega, V, params, nc, cb, cm, cL, cla, tol, g, dg, extra, status)
-    rest = np.flatnonzero(~fast & (status == 0))
+    done = np.zeros(n, bool)
+    use_chamber = chamber.applies(K)
+    tried = np.zeros(n, bool)
+
+    def chamber_stage(idx):
+        if not use_chamber or idx.size == 0:
+            return
+        ok, cg, cdg, clz, cest, cev, cst = chamber.run(K, obs, omega, V, params, tol=tol, idx=idx,
+                                                       max_level=chamber.max_level(K, tol))
+        tried[idx] = True
+        better = (cst == 0) & (cest < extra[idx, 2])
+        sel = idx[better]
+        g[sel], dg[sel] = cg[better], cdg[better]
+        extra[sel, 0], extra[sel, 2] = clz[better], cest[better]
+        extra[idx, 1] += cev
+        done[idx[ok]] = True
+
+    if use_chamber:
+        chamber_stage(np.flatnonzero(chamber.broad(K, omega, V, params)))
+    rest = np.flatnonzero(~done)
+    status[rest] = 0
     if rest.size:
-        gp, w7, w5 = genz_malik(D)
+        xs = tensor(D, SCREEN.get(D, 3))[0] * SCREEN_SPREAD
+        fl = flips(K)
+        if fl.shape[0] == 0:
+            fl = np.zeros((0, D))
+        m = rest.size
         sub = (lambda a: a[rest]) if V.shape[0] != 1 else (lambda a: a)
-        g2, dg2 = np.empty((rest.size, p, T)), np.empty((rest.size, p, T, p, T))
-        ex2, st2 = np.empty((rest.size, 4)), np.zeros(rest.size, np.int64)
-        K.modal_adaptive(obs[rest], omega[rest], sub(V), params, nc[rest], cb[rest], cm[rest], cL[rest], cla[rest],
-                         gp, w7, w5, float(tol), int(max_regions), g2, dg2, ex2, st2)
-        g[rest], dg[rest], extra[rest], status[rest] = g2, dg2, ex2, st2
+        cb = np.zeros((m, MAX_COMP), np.int64)
+        cm = np.zeros((m, MAX_COMP, D))
+        cL = np.zeros((m, MAX_COMP, D, D))
+        cla = np.zeros((m, MAX_COMP))
+        nc = np.zeros(m, np.int64)
+        ob, om, Vr = np.ascontiguousarray(obs[rest]), np.ascontiguousarray(omega[rest]), np.ascontiguousarray(sub(V))
+        K.modal_modes(ob, om, Vr, params, np.ascontiguousarray(xs), fl, N_START, INFLATE, cb, cm, cL, cla, nc)
+        st = np.zeros(m, np.int64)
+        st[nc < 0] = -nc[nc < 0]
+        gf, dgf, exf = np.empty((m, p, T)), np.empty((m, p, T, p, T)), np.zeros((m, 4))
+        fast = np.zeros(m, bool)
+        if FAST:
+            fast = _fast_path(K, ob, om, Vr, params, nc, cb, cm, cL, cla, tol, gf, dgf, exf, st)
+        sel = rest[fast]
+        g[sel], dg[sel], extra[sel] = gf[fast], dgf[fast], exf[fast]
+        done[sel] = True
+        status[rest[st != 0]] = st[st != 0]
+        # the chamber rule for samples the fast path did not settle and it has not tried
+        chamber_stage(rest[~fast & (st == 0) & ~tried[rest]])
+        left = np.flatnonzero(~done[rest] & (st == 0))
+        if left.size:
+            gp, w7, w5 = genz_malik(D)
+            sub2 = (lambda a: a[left]) if Vr.shape[0] != 1 else (lambda a: a)
+            g2, dg2 = np.empty((left.size, p, T)), np.empty((left.size, p, T, p, T))
+            ex2, st2 = np.empty((left.size, 4)), np.zeros(left.size, np.int64)
+            K.modal_adaptive(ob[left], om[left], sub2(Vr), params, nc[left], cb[left], cm[left], cL[left], cla[left],
+                             gp, w7, w5, float(tol), int(max_regions), g2, dg2, ex2, st2)
+            # keep the chamber rule's result where its estimate is the smaller
+            idx = rest[left]
+            better = (st2 == 0) & ~(extra[idx, 2] <= ex2[:, 2])
+            ex2[:, 1] += extra[idx, 1]
+            g[idx[better]], dg[idx[better]], extra[idx[better]] = g2[better], dg2[better], ex2[better]
+            status[idx[(st2 != 0) & ~np.isfinite(extra[idx, 2])]] = st2[(st2 != 0) & ~np.isfinite(extra[idx, 2])]
     if getattr(K, "HAS_MARGINAL", False):
         add_residual_covariance(K, V, dg)
     return g, dg, extra[:, 0], extra[:, 2], extra[:, 1], extra[:, 3] > 0, status

@@ -16,3 +16,13 @@ class DenoiserOutput:
     error: np.ndarray | None = None  # (...) estimated absolute error of g_out/dg_out
     path: str = ""
     polar: np.ndarray | None = None  # (...) True where the polar rule was used (else Gauss-Hermite)
+
+
+def difference(g, dg, g2, dg2, lz, lz2) -> np.ndarray:
+    """Per sample: largest difference of g_out and dg_out, relative to their size (at least 1),
+    and of log Z_out (absolute)."""
+    n = len(g)
+    gs = np.maximum(1.0, np.abs(g).reshape(n, -1).max(axis=1))
+    ds = np.maximum(1.0, np.abs(dg).reshape(n, -1).max(axis=1))
+    return np.maximum.reduce([np.abs(g - g2).reshape(n, -1).max(axis=1) / gs,
+                              np.abs(dg - dg2).reshape(n, -1).max(axis=1) / ds, np.abs(lz - lz2)])

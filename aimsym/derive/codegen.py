@@ -481,6 +481,79 @@ def _mixing_kernel(d: Derivation) -> list[str]:
     return lines
 
 
+def chamber_blocks(spec: Spec, d: Derivation) -> list[tuple[int, int, int]]:
+    """The free rows of Z as attention blocks for the chamber rule: (row, layer, head) per row,
+    where every free row is the tied rank-one index of one head of an earlier layer (softmax or
+    linear) and the last layer is solved (reduction kind attention-rank1). Such a head's
+    attention sigma(beta q q^T), q = M_{l-1} z_row^T, switches across the hyperplanes q_a = 0 and
+    q_a = q_b only (the chambers of the braid arrangement of (q, 0)); [] for other models."""
+    from .spec import AttentionSpec
+
+    red = d.reduction
+    if not (isinstance(spec, AttentionSpec) and red is not None and red.kind == "attention-rank1"
+            and len(spec.layers) >= 2 and not spec.depth_limit):
+        return []
+    if any(not ly.tied or ly.rank != 1 or ly.activation not in ("softmax", "linear") for ly in spec.layers[:-1]):
+        return []
+    blocks = [(k, lb.layer, lb.head) for k, lb in enumerate(d.labels[:-1])]
+    if red.free != [(k, t) for k, _, _ in blocks for t in range(d.tokens)]:
+        return []
+    return blocks
+
+
+def _chamber_kernels(spec: Spec, d: Derivation) -> list[str]:
+    """For the chamber rule (``CHAMBER_BLOCKS``): ``block_activation(b, q, params, S)`` fills S
+    (T, T) with block b's term a_h sigma(beta q q^T) of its layer's mixing matrix
+    M_l = (c_l I + sum_h a_h sigma(beta q_h q_h^T)) M_{l-1}; ``layer_skip(l, params)`` is c_l;
+    ``block_beta(b, params)`` the block's inverse temperature (0 for a linear block: no switching)
+    and ``block_bound(b, R, params)`` a bound on the spectral norm of its term for |q| <= R."""
+    from .symbolic import Program, activate, param_symbol
+
+    blocks = chamber_blocks(spec, d)
+    T = d.tokens
+    lines = [f"CHAMBER_BLOCKS = {tuple((k, l) for k, l, _ in blocks)!r}  # (row of Z, layer) per free row",
+             f"CHAMBER_LAYERS = {len(spec.layers) - 1 if blocks else 0}", ""]
+    if not blocks:
+        return lines + ["", "@njit(cache=True)", "def block_activation(b, q, params, S):", "    return None", "", "",
+                        "@njit(cache=True)", "def layer_skip(l, params):", "    return math.nan", "", "",
+                        "@njit(cache=True)", "def block_beta(b, params):", "    return math.nan", "", "",
+                        "@njit(cache=True)", "def block_bound(b, R, params):", "    return math.nan"]
+    q = sp.Matrix([sp.Symbol(f"q_{t}", real=True) for t in range(T)])
+    act = ["", "", "@njit(cache=True)", "def block_activation(b, q, params, S):"]
+    act += _docstring("Block b's term a_h sigma(beta q q^T) of its layer's mixing matrix, into S (T, T).",
+                      [f"S^{{(b={i})}} = {sp.latex(param_symbol(spec.layers[l - 1].head_weights()[h]))}"
+                       rf" \sigma_{{\mathrm{{{spec.layers[l - 1].activation}}}}}"
+                       rf"\left({sp.latex(param_symbol(spec.layers[l - 1].beta))}\, q q^\top\right)"
+                       for i, (_, l, h) in enumerate(blocks)])
+    act += [f"    q_{t} = q[{t}]" for t in range(T)] + _unpack_params(d)
+    beta_k = ["", "", "@njit(cache=True)", "def block_beta(b, params):"] + _unpack_params(d)
+    bound_k = ["", "", "@njit(cache=True)", "def block_bound(b, R, params):"] + _unpack_params(d)
+    for i, (_, l, h) in enumerate(blocks):
+        layer = spec.layers[l - 1]
+        beta, a = param_symbol(layer.beta), param_symbol(layer.head_weights()[h])
+        prog = Program()
+        prog.matrix(f"S{i}", activate(layer.activation, prog.matrix(f"A{i}", beta * (q * q.T))))
+        names = [sp.Symbol(f"_S{i}_{r}_{c}", real=True) for r in range(T) for c in range(T)]
+        kw = "if" if i == 0 else "elif"
+        act.append(f"    {kw} b == {i}:")
+        act += _print_defs(prog.closure(names), "        ")
+        act += [f"        S[{r}, {c}] = {_code(a * names[r * T + c])}" for r in range(T) for c in range(T)]
+        if layer.activation == "softmax":
+            beta_k += [f"    {kw} b == {i}:", f"        return abs(float({_code(beta)}))"]
+            bound_k += [f"    {kw} b == {i}:", f"        return abs(float({_code(a)})) * {float(T) ** 0.5!r}"]
+        else:
+            beta_k += [f"    {kw} b == {i}:", "        return 0.0"]
+            bound_k += [f"    {kw} b == {i}:", f"        return abs(float({_code(a * beta)})) * R * R"]
+    act.append("    return None")
+    beta_k.append("    return math.nan")
+    bound_k.append("    return math.nan")
+    skip = ["", "", "@njit(cache=True)", "def layer_skip(l, params):"] + _unpack_params(d)
+    for l, layer in enumerate(spec.layers[:-1], start=1):
+        skip += [f"    {'if' if l == 1 else 'elif'} l == {l}:", f"        return float({_code(param_symbol(layer.skip))})"]
+    skip.append("    return math.nan")
+    return lines + act + skip + beta_k + bound_k
+
+
 def _polar_angles(spec: Spec, d: Derivation) -> list[float]:
     """Sector boundaries of the polar rule, where it applies: two layers, T = 2, the free
     indices u = z_1 of a tied rank-one single-head first layer, whose attention (logits
@@ -612,7 +685,8 @@ def module_source(spec: Spec) -> str:
     ]
     hardmax_mixed = red is not None and red.kind == "hardmax-wedge-mixed"
     parts = [_link_kernel(d), _jacobian_kernel(d), _noise_kernel(d), _last_beta_kernel(d), _branch_kernel(d),
-             (_MARGINAL_KERNEL if marginal else _MARGINAL_STUB).splitlines(), _polar_kernels(spec, d)]
+             (_MARGINAL_KERNEL if marginal else _MARGINAL_STUB).splitlines(), _polar_kernels(spec, d),
+             _chamber_kernels(spec, d)]
     parts.append(_observation_function(d))
     if hardmax_mixed:
         parts.append(_mixing_kernel(d))

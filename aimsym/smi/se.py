@@ -55,6 +55,13 @@ SE_TOL = 1e-4
 SE_MODAL_TOL = 1e-3
 SE_MODAL_REGIONS = 10_000
 MAX_CONTROLLED_DIM = 2
+# reduced dimension >= 3 with attention blocks: the certified rule (chamber rule, modal fast path,
+# adaptive cubature) at a tol set by the SE's own statistical error. A relative error eps per sample
+# moves Q_hat by at most 2 eps; Q_hat's relative replica error is ~2 / sqrt(samples) (g^2 is
+# heavy-tailed), so eps = SE_STAT_SHARE / sqrt(samples) keeps the quadrature error near a tenth of
+# the statistical one (the result reports the actual ratio: diagnostics.quadrature_to_statistical)
+SE_STAT_SHARE = 0.1
+SE_TOL_MAX = 1e-3
 # where every direction of V is below MODAL_BELOW (near perfect recovery) the SE's denoiser is the
 # mode-centred rule at SE_TOL, for every reduced dimension: the posterior there is close to its
 # Laplace mixture, which the rule's fast path integrates at ~0.3 ms per sample (k = 2, 3), while
@@ -305,17 +312,26 @@ def uses_observation(model, den) -> bool:
 
 def make_channel(model, *, samples: int, replicas: int, seed, nodes=None, extra_dims: int = 0,
                  polar=None) -> Channel:
-    den = model.denoiser(**denoiser_accuracy(model, nodes, polar))
+    den = model.denoiser(**denoiser_accuracy(model, nodes, polar, samples=samples))
     n_out = int(np.prod(model.output_shape)) if model.noise > 0 else 0
     dim = 2 * model.p * model.tokens + n_out + extra_dims
     return Channel(model, den, normal_points(dim, samples, replicas, seed))
 
 
-def denoiser_accuracy(model, nodes=None, polar=None) -> dict:
+def se_tol(samples: int | None) -> float:
+    """Denoiser tol of the certified rule in SE (k >= 3): SE_STAT_SHARE / sqrt(samples), at most
+    SE_TOL_MAX."""
+    return SE_TOL_MAX if not samples else min(SE_TOL_MAX, SE_STAT_SHARE / float(np.sqrt(samples)))
+
+
+def denoiser_accuracy(model, nodes=None, polar=None, samples: int | None = None) -> dict:
     """Denoiser options used by SE: ``nodes`` (Gauss-Hermite per dimension) or the SE default for
     the reduced dimension; ``polar`` (angle nodes per sector, radial nodes) or SE_POLAR in 2-D
-    (ignored by the denoiser where the polar rule does not apply)."""
+    (ignored by the denoiser where the polar rule does not apply); for k >= 3 models with attention
+    blocks and no explicit ``nodes``, the certified rule at ``se_tol(samples)``."""
     dim = int(model.kernels.INTEGRAL_DIM) if hasattr(model, "kernels") else 0
+    if nodes is None and dim >= 3 and len(getattr(getattr(model, "kernels", None), "CHAMBER_BLOCKS", ())) > 0:
+        return {"rule": "modal", "tol": se_tol(samples)}
     out = {}
     if nodes is not None:
         out["nodes"] = int(nodes)

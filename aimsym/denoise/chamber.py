@@ -1,0 +1,199 @@
+"""The chamber rule: reduced posteriors of tied attention models integrated along the geometry
+of their attention (kernels in ``chamber_template.py``, appended with the modal driver).
+
+Where it applies (``CHAMBER_BLOCKS`` of the generated module: every free row of Z is the tied
+rank-one index of one head of an earlier softmax or linear layer, the last layer solved), the
+integrand is analytic but switches across the hyperplanes q_a = 0, q_a = q_b of each block's
+layer input q (a braid arrangement of (q, 0)), in layers of width ~1 / (beta |q|^2). Smooth rules
+on the whole space stall there (tensor Gauss-Hermite at ~1e-3); a rule whose pieces are the
+arrangement's chambers, graded towards their walls at that width, converges spectrally:
+
+* per block, one chamber of each pair {C, -C} ((T + 1)!/2 of them; the sign of a block is a
+  symmetry), split into T pieces by the largest gap t of the sorted (q, 0), so that
+  q = t E_C (e_i + sum_{j != i} x_j e_j) with x in [0, 1]^{T-1} and the walls at x_j = 0;
+* t on [0, R] (R bounds |q| over the prior of the block's row to ``RADIUS`` sd) by Gauss-Legendre
+  in a logarithmic variable, x_j = eps sinh(tau) with eps = KAPPA / (beta t^2) (the width of the
+  switching layer at that radius) and Gauss-Legendre in tau;
+* the blocks' rules multiply (a tensor product over blocks), the mixing matrices are composed
+  per node from the blocks' terms, and each node serves the 2^P sign patterns of the rows of Z.
+
+Error control: rules of increasing size (``LEVELS``); the difference between two successive
+levels, in the measure of ``output.difference`` (g_out and dg_out relative to their size, at
+least 1; log Z_out absolute), is the estimate of the finer one (convergence is spectral, so the
+coarser rule's error dominates the difference). The weight on the outermost radial nodes is
+added to the estimate; where it exceeds ``EDGE_TOL`` the domain grows by ``GROWTH``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from .output import difference
+
+# rule sizes (angle nodes per gap, radial nodes) of the successive levels
+LEVELS = ((4, 10), (6, 14), (8, 18), (10, 24), (13, 30), (17, 38), (22, 48))
+# width of the switching layers in the gap coordinate: eps = KAPPA / (beta t^2)
+KAPPA = 2.0
+# scale of the logarithmic radial variable
+CRAD = 1.0
+# radial extent in prior standard deviations of each block's row (prior mass outside < e^-36)
+RADIUS = 8.5
+# weight share on the outermost radial nodes above which the domain grows (by GROWTH)
+EDGE_TOL = 1e-12
+GROWTH = 1.5
+MAX_GROWTH = 4
+# typical (median) difference between levels i - 1 and i over the SE regimes (two layers at T = 3,
+# three layers at T = 2, docs/denoiser.md): the first comparison is the first level expected to meet
+# tol, so a loose tol does not pay for the fine levels and a tight one skips the coarse ones
+MEDIAN_DIFF = (math.inf, 5e-4, 2e-5, 5e-7, 1e-8, 2e-10, 1e-12)
+# budget: node combinations (the product over blocks) per sample and level
+MAX_COMBINATIONS = 4_000_000
+
+
+@lru_cache(maxsize=8)
+def chambers(T: int) -> np.ndarray:
+    """One chamber of each pair {C, -C} of the braid arrangement of (q_1..q_T, 0), as the matrix
+    E (T, T) with q = E g, g >= 0 the gaps of the sorted values (E is unimodular)."""
+    out, seen = [], set()
+    for perm in itertools.permutations(range(T + 1)):  # ascending order; index T is the zero
+        if perm in seen:
+            continue
+        seen.update((perm, perm[::-1]))
+        j0 = perm.index(T)
+        E = np.zeros((T, T))
+        for pos, i in enumerate(perm):
+            if i == T:
+                continue
+            if pos > j0:
+                E[i, j0:pos] = 1.0
+            else:
+                E[i, pos:j0] = -1.0
+        out.append(E)
+    return np.ascontiguousarray(np.array(out))
+
+
+@lru_cache(maxsize=32)
+def rule(n_x: int, n_r: int):
+    """Gauss-Legendre nodes on [-1, 1] for the gaps and the radius: (xs, wx, ss, ws)."""
+    xs, wx = np.polynomial.legendre.leggauss(n_x)
+    ss, ws = np.polynomial.legendre.leggauss(n_r)
+    return xs, wx, ss, ws
+
+
+def applies(K) -> bool:
+    return len(getattr(K, "CHAMBER_BLOCKS", ())) > 0
+
+
+def broad(K, omega, V, params) -> np.ndarray:
+    """Samples for which the chamber rule goes first: the prior of some block's row is wide next
+    to the switching layers (beta sd (|omega_row| + 5 sd) > 1, the criterion of the polar rule's
+    Gauss-Hermite shortcut); elsewhere the posterior is close to its Laplace mixture and the
+    modal fast path is cheaper."""
+    rows = np.array([k for k, _ in K.CHAMBER_BLOCKS])
+    Vd = np.diagonal(V, axis1=1, axis2=2)[:, rows]  # (1 or n, blocks)
+    sd = np.sqrt(Vd)
+    beta = np.array([K.block_beta(b, params) for b in range(len(rows))])
+    width = beta * sd * (np.linalg.norm(omega[:, rows, :], axis=2) + 5.0 * sd)
+    return np.any(width > 1.0, axis=1)
+
+
+def max_level(K, tol: float) -> int:
+    """The finest level within the budget (``MAX_COMBINATIONS`` node combinations per sample);
+    the levels are tried in turn, so a loose tol stops early anyway."""
+    T, nb = int(K.T), len(K.CHAMBER_BLOCKS)
+    top = 0
+    for lv in range(len(LEVELS)):
+        if nodes_per_block(T, lv) ** nb <= MAX_COMBINATIONS:
+            top = lv
+    return top
+
+
+def first_level(tol: float) -> int:
+    """The first level compared with its predecessor: the first expected to meet tol."""
+    for i in range(1, len(MEDIAN_DIFF)):
+        if MEDIAN_DIFF[i] <= tol:
+            return i
+    return len(MEDIAN_DIFF) - 1
+
+
+def nodes_per_block(T: int, level: int) -> int:
+    n_x, n_r = LEVELS[level]
+    return len(chambers(T)) * T * n_r * n_x ** (T - 1)
+
+
+def evaluate(K, obs, omega, V, params, level: int, growth: np.ndarray):
+    """One level of the rule on a batch: g_out, dg_out, extra (log Z, node combinations, 0, edge
+    share), status."""
+    n, p, T = omega.shape
+    g = np.empty((n, p, T))
+    dg = np.empty((n, p, T, p, T))
+    extra = np.zeros((n, 4))
+    status = np.zeros(n, np.int64)
+    K.chamber_batch(np.ascontiguousarray(obs), np.ascontiguousarray(omega), np.ascontiguousarray(V), params,
+                    chambers(T), *rule(*LEVELS[level]), KAPPA, CRAD, RADIUS, np.ascontiguousarray(growth),
+                    g, dg, extra, status)
+    return g, dg, extra, status
+
+
+def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_level: int | None = None,
+        idx: np.ndarray | None = None):
+    """Levels of the chamber rule until the estimate meets tol, for the samples idx (default all).
+
+    Returns (done, g_out, dg_out, log Z_out, estimate, evaluations, status) for idx; ``done``
+    marks the samples whose estimate is <= tol (the others keep the finest level reached)."""
+    idx = np.arange(omega.shape[0]) if idx is None else np.asarray(idx)
+    m, p, T = len(idx), omega.shape[1], omega.shape[2]
+    top = len(LEVELS) - 1 if max_level is None else min(max_level, len(LEVELS) - 1)
+    start = min(first_level(tol) if start is None else start, top)
+    sub_v = (lambda a: a[idx]) if V.shape[0] != 1 else (lambda a: a)
+    g = np.full((m, p, T), np.nan)
+    dg = np.full((m, p, T, p, T), np.nan)
+    lz = np.full(m, np.nan)
+    est = np.full(m, np.inf)
+    evals = np.zeros(m)
+    status = np.zeros(m, np.int64)
+    done = np.zeros(m, bool)
+    growth = np.ones(m)
+    active = np.arange(m)
+    prev = None
+    for level in range(max(start - 1, 0), top + 1):
+        if active.size == 0:
+            break
+        sel = idx[active]
+        gl, dgl, ex, st = evaluate(K, obs[sel], omega[sel], sub_v(V)[active] if V.shape[0] != 1 else V, params,
+                                   level, growth[active])
+        # a domain whose outermost nodes carry weight grows (and the level is redone)
+        for _ in range(MAX_GROWTH):
+            wide = np.flatnonzero((st == 0) & (ex[:, 3] > EDGE_TOL))
+            if wide.size == 0:
+                break
+            growth[active[wide]] *= GROWTH
+            s2 = idx[active[wide]]
+            g2, dg2, ex2, st2 = evaluate(K, obs[s2], omega[s2], V if V.shape[0] == 1 else sub_v(V)[active[wide]],
+                                         params, level, growth[active[wide]])
+            gl[wide], dgl[wide], ex[wide], st[wide] = g2, dg2, ex2, st2
+            if prev is not None:  # the coarser level is not comparable on another domain
+                prev[0][wide] = np.nan
+        evals[active] += ex[:, 1]
+        status[active] = st
+        g[active], dg[active], lz[active] = gl, dgl, ex[:, 0]
+        if prev is not None:
+            d = difference(gl, dgl, prev[0], prev[1], ex[:, 0], prev[2])
+            d = np.where(np.isfinite(d), d, np.inf)
+            e = np.maximum(d, ex[:, 3])
+            est[active] = e
+            ok = (st == 0) & (e <= tol) & np.isfinite(gl).all(axis=(1, 2)) & np.isfinite(dgl).all(axis=(1, 2, 3, 4))
+            done[active[ok]] = True
+            keep = ~ok & (st == 0)
+            status[active[~ok & (st != 0)]] = st[~ok & (st != 0)]
+            active = active[keep]
+            prev = (gl[keep], dgl[keep], ex[keep, 0])
+        else:
+            keep = st == 0
+            active = active[keep]
+            prev = (gl[keep], dgl[keep], ex[keep, 0])
+    return done, g, dg, lz, est, evals, status

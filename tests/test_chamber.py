@@ -1,0 +1,181 @@
+"""The chamber rule (aimsym.denoise.chamber): the reduced integral of tied attention models over the
+chambers of each block's braid arrangement. Geometry, agreement with independent rules (the
+two-layer polar rule, scipy cubature), honesty of its level-difference estimate, the fallback
+when a model is beyond its budget, and the defaults that select it."""
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from modal_reference import h_of, outputs, reference
+
+import aimsym
+from aimsym.denoise import chamber, modal
+from aimsym.denoise.output import difference
+from aimsym.derive.files import derivations_dir
+from aimsym.smi import se
+
+D = derivations_dir()
+
+
+def load(name, c=1.0):
+    return aimsym.load(D / f"{name}.toml", c=c)
+
+
+def points(m, rng, n, kinds=(0, 1, 2, 3)):
+    """SE-like points: (omega, obs, V) in four regimes (moderate; last layer nearly known;
+    first layer partly known; correlated V)."""
+    p, T = m.p, m.tokens
+    oms, obs, Vs = [], [], []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        if kind == 0:
+            V = rng.uniform(0.3, 0.9) * np.eye(p)
+        elif kind == 1:
+            V = np.diag(np.r_[rng.uniform(0.5, 1.0, p - 1), rng.uniform(0.02, 0.1)])
+        elif kind == 2:
+            V = np.diag(np.r_[rng.uniform(0.2, 0.5), rng.uniform(0.5, 1.0, p - 1)])
+        else:
+            A = rng.standard_normal((p, p))
+            V = 0.4 * np.eye(p) + 0.1 * A @ A.T
+            V = V / max(1.0, np.linalg.eigvalsh(V).max() / 0.95)
+        Q = np.eye(p) - V
+        om = np.linalg.cholesky(Q + 1e-12 * np.eye(p)) @ rng.standard_normal((p, T))
+        Z = om + np.linalg.cholesky(V) @ rng.standard_normal((p, T))
+        oms.append(om)
+        obs.append(m.observation(Z))
+        Vs.append(V)
+    return np.array(oms), np.array(obs), np.array(Vs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(T=st.integers(2, 4), seed=st.integers(0, 2**32 - 1))
+def test_chambers_tile_the_space(T, seed):
+    """Every point of R^T lies in exactly one chamber C or -C (q = +-E_C g, g >= 0), and the
+    gap matrices are unimodular: (T + 1)!/2 pairs, each cone the sorted order of (q, 0)."""
+    E = chamber.chambers(T)
+    assert len(E) == np.prod(np.arange(1, T + 2)) // 2
+    assert np.allclose(np.abs(np.linalg.det(E)), 1.0)
+    q = np.random.default_rng(seed).standard_normal((64, T))
+    g = np.einsum("cij,nj->nci", np.linalg.inv(E), q)  # gaps of q in chamber c
+    inside = np.all(g >= 0, axis=2) | np.all(g <= 0, axis=2)  # C or -C
+    assert np.all(inside.sum(axis=1) == 1)
+
+
+def test_node_count_is_the_kernels():
+    m = load("attention_L2_T3")
+    K = modal.load(m.kernels)
+    om, obs, V = points(m, np.random.default_rng(0), 1)
+    _, _, ex, st_ = chamber.evaluate(K, obs, om, V, m.params_array(), 1, np.ones(1))
+    assert st_[0] == 0 and ex[0, 1] == chamber.nodes_per_block(3, 1)
+
+
+@pytest.mark.parametrize("c", [0.3, 1.0, 3.0])
+def test_two_layer_chamber_rule_matches_the_polar_rule(c):
+    """Two layers at T = 2: the chamber rule (one block, its six chambers) against the mapped polar
+    rule (an independent rule with its own tests), both far below 1e-9, in four SE regimes."""
+    m = load("attention_L2_T2", c)
+    K = modal.load(m.kernels)
+    om, obs, V = points(m, np.random.default_rng(int(10 * c)), 8)
+    ok, g, dg, lz, est, _, status = chamber.run(K, obs, om, V, m.params_array(), tol=1e-11)
+    ref = m.denoiser(tol=1e-12)(None, om, V, obs=obs)
+    assert np.all(status == 0) and np.all(est <= 1e-9)
+    assert np.all(difference(g, dg, ref.g_out, ref.dg_out, lz, ref.log_z_out) <= 1e-10 + est + ref.error)
+
+
+def test_three_token_chamber_rule_matches_independent_cubature():
+    """Two layers at T = 3 (k = 3): against scipy's adaptive Gauss-Kronrod cubature on a prior box
+    (tests/modal_reference.py), at 1e-8."""
+    name = "attention_L2_T3"
+    m = load(name)
+    K = modal.load(m.kernels)
+    rng = np.random.default_rng(21)
+    V = 0.6 * np.eye(2)
+    om = np.sqrt(0.4) * rng.standard_normal((2, 3))
+    Z = om + np.sqrt(0.6) * rng.standard_normal((2, 3))
+    h = h_of(name, Z, 1.0)
+    lz_ref, mean, second, status = reference(name, h, om, V, 1.0, rtol=1e-10)
+    assert status == "converged"
+    g_ref, dg_ref = outputs(V, om, mean, second)
+    ok, g, dg, lz, est, _, st_ = chamber.run(K, h[None], om[None], V[None], m.params_array(), tol=1e-9)
+    assert ok[0] and st_[0] == 0
+    assert difference(g, dg, g_ref[None], dg_ref[None], lz, np.array([lz_ref]))[0] <= 1e-8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["attention_L3_T2", "attention_L2_T2_heads2"])
+def test_four_dimensional_chamber_rule_matches_independent_cubature(name):
+    """k = 4 (two blocks: a product of chamber rules): against the scipy reference, 1e-8."""
+    m = load(name)
+    K = modal.load(m.kernels)
+    rng = np.random.default_rng(23)
+    V = 0.6 * np.eye(3)
+    om = np.sqrt(0.4) * rng.standard_normal((3, 2))
+    Z = om + np.sqrt(0.6) * rng.standard_normal((3, 2))
+    h = h_of(name, Z, 1.0)
+    lz_ref, mean, second, status = reference(name, h, om, V, 1.0, rtol=1e-10)
+    assert status == "converged"
+    g_ref, dg_ref = outputs(V, om, mean, second)
+    ok, g, dg, lz, est, _, st_ = chamber.run(K, h[None], om[None], V[None], m.params_array(), tol=1e-9)
+    assert ok[0] and st_[0] == 0
+    assert difference(g, dg, g_ref[None], dg_ref[None], lz, np.array([lz_ref]))[0] <= 1e-8
+
+
+def _level_honesty(name, n, top, seed):
+    """Actual error of each level against level ``top`` vs its estimate (the difference to the
+    level before): the share of (point, level) pairs with actual <= estimate."""
+    m = load(name)
+    K = modal.load(m.kernels)
+    om, obs, V = points(m, np.random.default_rng(seed), n)
+    res = [chamber.evaluate(K, obs, om, V, m.params_array(), lv, np.ones(n)) for lv in range(top + 1)]
+    ref = res[-1]
+    checked = 0
+    bad = []
+    for lv in range(1, top - 1):  # (levels next to the reference are not independent of it)
+        cur, prev = res[lv], res[lv - 1]
+        est = difference(cur[0], cur[1], prev[0], prev[1], cur[2][:, 0], prev[2][:, 0])
+        act = difference(cur[0], cur[1], ref[0], ref[1], cur[2][:, 0], ref[2][:, 0])
+        checked += n
+        bad += [(lv, i, act[i], est[i]) for i in np.flatnonzero(act > est)]
+    return checked, bad
+
+
+def test_level_difference_estimate_is_honest_T3():
+    checked, bad = _level_honesty("attention_L2_T3", 16, 6, 5)
+    assert not bad, bad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["attention_L3_T2", "attention_L2_T2_heads2"])
+def test_level_difference_estimate_is_honest_4d(name):
+    checked, bad = _level_honesty(name, 16, 5, 6)
+    assert not bad, bad
+
+
+def test_beyond_the_budget_the_cascade_falls_back(monkeypatch):
+    """With a budget below every level's node count the chamber rule cannot estimate its error;
+    the fast path and the adaptive cubature take over and still meet tol."""
+    m = load("attention_L2_T3")
+    om, obs, V = points(m, np.random.default_rng(8), 2, kinds=(0,))
+    ref = m.denoiser(tol=1e-9)(None, om, V, obs=obs)
+    monkeypatch.setattr(chamber, "MAX_COMBINATIONS", 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = m.denoiser(rule="modal", tol=1e-5, max_regions=200_000)(None, om, V, obs=obs)
+    assert np.all(out.error <= 1e-5)
+    assert np.all(difference(out.g_out, out.dg_out, ref.g_out, ref.dg_out, out.log_z_out, ref.log_z_out)
+                  <= out.error + ref.error)
+
+
+@pytest.mark.parametrize("name", ["attention_L2_T3", "attention_L3_T2", "attention_L2_T2_heads2"])
+def test_k3_and_k4_defaults_are_certified(name):
+    """model.denoiser() and the SE's denoiser are the certified rule for k >= 3 attention models,
+    the SE's tol set by its sample count; an explicit Gauss-Hermite size stays a fixed rule."""
+    m = load(name)
+    den = m.denoiser()
+    assert den.rule == "modal" and den.tol == 1e-8
+    assert se.denoiser_accuracy(m, samples=1 << 16) == {"rule": "modal", "tol": pytest.approx(se.SE_STAT_SHARE / 256)}
+    assert se.denoiser_accuracy(m, samples=1024)["tol"] == se.SE_TOL_MAX
+    assert se.denoiser_accuracy(m, nodes=6).get("nodes") == 6
+    assert m.denoiser(nodes=6).rule == "auto"
