@@ -50,6 +50,9 @@ MAX_GROWTH = 4
 # three layers at T = 2, docs/denoiser.md): the first comparison is the first level expected to meet
 # tol, so a loose tol does not pay for the fine levels and a tight one skips the coarse ones
 MEDIAN_DIFF = (math.inf, 5e-4, 2e-5, 5e-7, 1e-8, 2e-10, 1e-12)
+# node tables are shared by the samples whose radius rounds up to the same 2^(j / RADIUS_GRID)
+RADIUS_GRID = 8
+MAX_TABLE_BYTES = 2**29
 # budget: node combinations (the product over blocks) per sample and level
 MAX_COMBINATIONS = 4_000_000
 
@@ -125,17 +128,57 @@ def nodes_per_block(T: int, level: int) -> int:
     return len(chambers(T)) * T * n_r * n_x ** (T - 1)
 
 
+def radius_grid(R: np.ndarray) -> np.ndarray:
+    """R rounded up to the grid 2^(j / RADIUS_GRID): samples of a batch share node tables (the
+    domain grows by at most 2^(1 / RADIUS_GRID); the radial rule is logarithmic)."""
+    return np.exp2(np.ceil(np.log2(R) * RADIUS_GRID) / RADIUS_GRID)
+
+
+def tables(K, params, level: int, blocks: np.ndarray, radii: np.ndarray):
+    """Node tables (Q, log W, S, edge) of (block, radius) pairs, cached on the compiled module per
+    parameter values and level (at most ``MAX_TABLE_BYTES`` in all; beyond that the cache restarts)."""
+    T = int(K.T)
+    nn = nodes_per_block(T, level)
+    cache = K.__dict__.setdefault("_chamber_tables", {})
+    key0 = (tuple(np.asarray(params, float).tolist()), level)
+    want = [(key0, int(b), float(r)) for b, r in zip(blocks, radii)]
+    missing = sorted({w for w in want if w not in cache})
+    if missing:
+        held = sum(a.nbytes for tab in cache.values() for a in tab)
+        if held + len(missing) * nn * (T * T + T + 2) * 8 > MAX_TABLE_BYTES:
+            cache.clear()
+            missing = sorted(set(want))
+        bl = np.array([b for _, b, _ in missing], np.int64)
+        rr = np.array([r for _, _, r in missing])
+        m = len(missing)
+        Qt, Wt = np.empty((m, T, nn)), np.empty((m, nn))
+        St, Et = np.empty((m, T * T, nn)), np.empty((m, nn))
+        K.chamber_tables(bl, rr, params, chambers(T), *rule(*LEVELS[level]), KAPPA, CRAD, Qt, Wt, St, Et)
+        for i, key in enumerate(missing):
+            cache[key] = (Qt[i], Wt[i], St[i], Et[i])
+    uniq = list(dict.fromkeys(want))
+    pos = {key: i for i, key in enumerate(uniq)}
+    stack = [np.ascontiguousarray(np.stack([cache[key][j] for key in uniq])) for j in range(4)]
+    return [pos[w] for w in want], stack
+
+
 def evaluate(K, obs, omega, V, params, level: int, growth: np.ndarray):
     """One level of the rule on a batch: g_out, dg_out, extra (log Z, node combinations, 0, edge
     share), status."""
     n, p, T = omega.shape
+    nb = len(K.CHAMBER_BLOCKS)
+    omega, V = np.ascontiguousarray(omega), np.ascontiguousarray(V)
+    R = np.empty((n, nb))
+    K.chamber_radii(omega, V, params, RADIUS, np.ascontiguousarray(growth, dtype=float), R)
+    R = radius_grid(R)
+    blocks = np.broadcast_to(np.arange(nb), (n, nb))
+    idx, (Qt, Wt, St, Et) = tables(K, params, level, blocks.ravel(), R.ravel())
+    tab = np.asarray(idx, np.int64).reshape(n, nb)
     g = np.empty((n, p, T))
     dg = np.empty((n, p, T, p, T))
     extra = np.zeros((n, 4))
     status = np.zeros(n, np.int64)
-    K.chamber_batch(np.ascontiguousarray(obs), np.ascontiguousarray(omega), np.ascontiguousarray(V), params,
-                    chambers(T), *rule(*LEVELS[level]), KAPPA, CRAD, RADIUS, np.ascontiguousarray(growth),
-                    g, dg, extra, status)
+    K.chamber_batch(np.ascontiguousarray(obs), omega, V, params, tab, Qt, Wt, St, Et, g, dg, extra, status)
     return g, dg, extra, status
 
 

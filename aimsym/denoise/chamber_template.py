@@ -433,9 +433,10 @@ def _chamber_accumulate(n, LW, invdet, Z, WB, acc, edge_b, j0, edge_out):
 
 
 @njit(cache=True)
-def chamber_one(obs, omega, V, params, chE, xs, wx, ss, ws, kappa, crad, radius, growth, g_out, dg_out, extra):
-    """g_out, dg_out, log Z_out of one sample by the chamber rule; extra = (log Z, node
-    combinations, 0, weight share of the outermost radial nodes). Returns a STATUS.
+def chamber_one(obs, omega, V, params, tab, Qt, Wt, St, Et, g_out, dg_out, extra):
+    """g_out, dg_out, log Z_out of one sample by the chamber rule, block b on the node table
+    tab[b] (``chamber_tables``); extra = (log Z, node combinations, 0, weight share of the
+    outermost radial nodes). Returns a STATUS.
 
     The blocks before the last one are combined in an outer loop (their layers recomposed from
     the first block that changed); the last block's nodes are processed in chunks by the SIMD
@@ -450,19 +451,7 @@ def chamber_one(obs, omega, V, params, chE, xs, wx, ss, ws, kappa, crad, radius,
     logdet_V = _precision(V, Vinv)
     if logdet_V != logdet_V:
         return STATUS_BAD_V
-    R = np.empty(nb)
-    _chamber_domain(omega, V, params, radius, growth, R)
-    nx = xs.shape[0]
-    n_ang = 1
-    for j in range(nt - 1):
-        n_ang *= nx
-    nn = chE.shape[0] * nt * ss.shape[0] * n_ang
-    Qs = np.empty((nb, nt, nn))
-    Ws = np.empty((nb, nn))
-    Ss = np.empty((nb, nt * nt, nn))
-    Es = np.empty((nb, nn))
-    for b in range(nb):
-        chamber_block_nodes(b, R[b], params, chE, xs, wx, ss, ws, kappa, crad, Qs[b], Ws[b], Ss[b], Es[b])
+    nn = Wt.shape[1]
     # per sample constants of the log prior: sum_t omega_t^T V^-1 omega_t and V^-1 omega
     vom = np.zeros((p, nt))
     c0 = 0.0
@@ -536,17 +525,17 @@ def chamber_one(obs, omega, V, params, chE, xs, wx, ss, ws, kappa, crad, radius,
             ed = onedge[l - 1]
             for bi in range(first[l], min(first[l + 1], last)):
                 j = idx[bi]
-                cs += Ws[bi, j] - ldet[l - 1]
-                if Es[bi, j] > 0.0:
+                cs += Wt[tab[bi], j] - ldet[l - 1]
+                if Et[tab[bi], j] > 0.0:
                     ed = 1.0
                 k = _CH_ROW[bi]
                 for t in range(nt):
                     s = 0.0
                     for c in range(nt):
-                        s += Mi[l - 1, t, c] * Qs[bi, c, j]
+                        s += Mi[l - 1, t, c] * Qt[tab[bi], c, j]
                     z[k, t] = s
                     for c in range(nt):
-                        A[t, c] += Ss[bi, t * nt + c, j]
+                        A[t, c] += St[tab[bi], t * nt + c, j]
             cum[l] = cs
             onedge[l] = ed
             if l == nl:
@@ -569,9 +558,9 @@ def chamber_one(obs, omega, V, params, chE, xs, wx, ss, ws, kappa, crad, radius,
         base = cum[nl] + lconst - (ldet[nl - 1] if nl > 1 else 0.0)
         for j0 in range(0, nn, CH):
             n = min(CH, nn - j0)
-            _chamber_solve(n, j0, Ss[last], A, Ms[nl - 1], Mic, invdet)
-            _chamber_fill(n, j0, kb, Qs[last], Mi[nl - 1], Mic, obs, z, Z)
-            _chamber_logw(n, j0, Ws[last], base, Z, Vinv, vom, LW, GB)
+            _chamber_solve(n, j0, St[tab[last]], A, Ms[nl - 1], Mic, invdet)
+            _chamber_fill(n, j0, kb, Qt[tab[last]], Mi[nl - 1], Mic, obs, z, Z)
+            _chamber_logw(n, j0, Wt[tab[last]], base, Z, Vinv, vom, LW, GB)
             lmax = _chamber_max(LW, n)
             if lmax != lmax:
                 return STATUS_NOT_FINITE
@@ -589,7 +578,7 @@ def chamber_one(obs, omega, V, params, chE, xs, wx, ss, ws, kappa, crad, radius,
                 row = LW[m]
                 for j in range(n):
                     row[j] -= shift
-            edge_acc += _chamber_accumulate(n, LW, invdet, Z, WB, acc, Es[last], j0, onedge[nl] > 0.0)
+            edge_acc += _chamber_accumulate(n, LW, invdet, Z, WB, acc, Et[tab[last]], j0, onedge[nl] > 0.0)
     if not (acc[0] > 0.0):
         return STATUS_ZERO_LIKELIHOOD
     # raw moments -> moments of z - omega (per sample: the posterior is broad where this rule runs)
@@ -615,11 +604,27 @@ def chamber_one(obs, omega, V, params, chE, xs, wx, ss, ws, kappa, crad, radius,
 
 
 @njit(cache=True, parallel=True)
-def chamber_batch(obs, omega, V, params, chE, xs, wx, ss, ws, kappa, crad, radius, growth, g_out, dg_out, extra,
-                  status):
-    """``chamber_one`` over a batch (V leading size 1: shared; growth per sample)."""
+def chamber_radii(omega, V, params, radius, growth, R):
+    """``_chamber_domain`` over a batch: R (n, blocks) (V leading size 1: shared)."""
+    shared = V.shape[0] == 1
+    for i in prange(omega.shape[0]):
+        _chamber_domain(omega[i], V[0] if shared else V[i], params, radius, growth[i], R[i])
+
+
+@njit(cache=True, parallel=True)
+def chamber_tables(blocks, radii, params, chE, xs, wx, ss, ws, kappa, crad, Qt, Wt, St, Et):
+    """Node tables of block blocks[i] on [0, radii[i]] (``chamber_block_nodes``), i in parallel."""
+    for i in prange(blocks.shape[0]):
+        chamber_block_nodes(blocks[i], radii[i], params, chE, xs, wx, ss, ws, kappa, crad, Qt[i], Wt[i], St[i],
+                            Et[i])
+
+
+@njit(cache=True, parallel=True)
+def chamber_batch(obs, omega, V, params, tab, Qt, Wt, St, Et, g_out, dg_out, extra, status):
+    """``chamber_one`` over a batch (V leading size 1: shared); sample i's block b uses the node
+    table tab[i, b]."""
     n = omega.shape[0]
     shared = V.shape[0] == 1
     for i in prange(n):
-        status[i] = chamber_one(obs[i], omega[i], V[0] if shared else V[i], params, chE, xs, wx, ss, ws, kappa,
-                                crad, radius, growth[i], g_out[i], dg_out[i], extra[i])
+        status[i] = chamber_one(obs[i], omega[i], V[0] if shared else V[i], params, tab[i], Qt, Wt, St, Et,
+                                g_out[i], dg_out[i], extra[i])
