@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from ..errors import AimsymError
@@ -89,7 +90,8 @@ def cmd_se(args) -> int:
         raise AimsymError("--side-block", f"indices must be in 0..{model.p - 1}, got {block}")
     res = state_evolution(model, args.alpha, init=args.init, side_info=args.side_info, side_block=block,
                           damping=args.damping, tol=args.tol, max_iter=args.max_iter, samples=args.samples,
-                          replicas=args.replicas, nodes=args.nodes, seed=args.seed)
+                          replicas=args.replicas, nodes=args.nodes, seed=args.seed,
+                          progress=sys.stderr.isatty())
     out = res.to_dict()
     if args.json:
         print_json(out)

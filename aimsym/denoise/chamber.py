@@ -53,8 +53,10 @@ MEDIAN_DIFF = (math.inf, 5e-4, 2e-5, 5e-7, 1e-8, 2e-10, 1e-12)
 # node tables are shared by the samples whose radius rounds up to the same 2^(j / RADIUS_GRID)
 RADIUS_GRID = 8
 MAX_TABLE_BYTES = 2**29
+# a sample goes to the chamber rule first when beta sd (|omega_row| + 5 sd) > BROAD for some block
+BROAD = 2.0
 # budget: node combinations (the product over blocks) per sample and level
-MAX_COMBINATIONS = 4_000_000
+MAX_COMBINATIONS = 20_000_000
 
 
 @lru_cache(maxsize=8)
@@ -101,7 +103,7 @@ def broad(K, omega, V, params) -> np.ndarray:
     sd = np.sqrt(Vd)
     beta = np.array([K.block_beta(b, params) for b in range(len(rows))])
     width = beta * sd * (np.linalg.norm(omega[:, rows, :], axis=2) + 5.0 * sd)
-    return np.any(width > 1.0, axis=1)
+    return np.any(width > BROAD, axis=1)
 
 
 def max_level(K, tol: float) -> int:

@@ -152,6 +152,7 @@ class Channel:
     den: object
     points: np.ndarray  # (R, n, 2 p T [+ noise dims])
     used: object = None  # the denoiser of the last call (``den`` or the mode-centred rule near V = 0)
+    on_pass: object = None  # called with the number of points after every denoiser pass (progress display)
 
     @property
     def p(self):
@@ -164,7 +165,7 @@ class Channel:
     def subset(self, fraction: int) -> "Channel":
         """The first 1/fraction of every replica's points (a coarser rule, same denoiser)."""
         n = max(self.points.shape[1] // fraction, 2)
-        return Channel(self.model, self.den, self.points[:, :n])
+        return Channel(self.model, self.den, self.points[:, :n], on_pass=self.on_pass)
 
     def split(self):
         p, T = self.p, self.T
@@ -218,6 +219,8 @@ class Channel:
             out = rescue(self.model, self.den, out, args, kw)
         self.used = modal or self.den
         _rewarn(caught, out, getattr(self.used, "tol", None))
+        if self.on_pass is not None:
+            self.on_pass(R * n)
         return out, R, n
 
 
@@ -637,7 +640,7 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
                     restrict=None, damping: float = 0.0, tol: float = 1e-4, max_iter: int = 500,
                     samples: int = 4096, replicas: int = 8, nodes=None, seed=0, errors: bool = True,
                     channel: Channel | None = None, init_eps: float = 1e-4, coarse: int = 8,
-                    anderson: int = 3, stop=None) -> SEResult:
+                    anderson: int = 3, stop=None, progress: bool = False) -> SEResult:
     """Iterate the SE to a fixed point (see :func:`_converged` for the test).
 
     side_info / side_block: lambda on a block of indices (all if None). ``restrict``: indices U;
@@ -645,6 +648,7 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
     ``channel``: reuse a :func:`make_channel` (same points) across calls, e.g. along alpha.
     ``stop``: optional predicate on Q; the iteration ends (converged = False) as soon as it holds
     (e.g. "the overlap has left zero", all a bisection needs to know).
+    ``progress``: a progress display of the denoiser passes (points denoised) on stderr.
     """
     alpha = float(alpha)
     if not (np.isfinite(alpha) and alpha >= 0):
@@ -662,6 +666,23 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
     t0 = time.perf_counter()
     p = model.p
     ch = channel or make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
+    bar = None
+    if progress and ch.on_pass is None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(desc=f"SE alpha={alpha:g}", unit="pt", unit_scale=True, leave=False)
+        ch = Channel(ch.model, ch.den, ch.points, on_pass=bar.update)
+    try:
+        return _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, damping, tol, max_iter,
+                                errors, init_eps, coarse, anderson, stop, t0, seed)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, damping, tol, max_iter, errors,
+                     init_eps, coarse, anderson, stop, t0, seed) -> SEResult:
+    p = model.p
     Lam = side_matrix(p, side_info, side_block)
     mask = _restrict_mask(p, restrict)
     Q = initial_overlap(p, init, init_eps) * mask
