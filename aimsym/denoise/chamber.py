@@ -138,11 +138,11 @@ def radius_grid(R: np.ndarray) -> np.ndarray:
 
 def tables(K, params, level: int, blocks: np.ndarray, radii: np.ndarray):
     """Node tables (Q, log W, S, edge) of (block, radius) pairs, cached on the compiled module per
-    parameter values and level (at most ``MAX_TABLE_BYTES`` in all; beyond that the cache restarts)."""
+    parameter values and rule (at most ``MAX_TABLE_BYTES`` in all; beyond that the cache restarts)."""
     T = int(K.T)
     nn = nodes_per_block(T, level)
     cache = K.__dict__.setdefault("_chamber_tables", {})
-    key0 = (tuple(np.asarray(params, float).tolist()), level)
+    key0 = (tuple(np.asarray(params, float).tolist()), LEVELS[level], KAPPA, CRAD)  # (what the nodes depend on)
     want = [(key0, int(b), float(r)) for b, r in zip(blocks, radii)]
     missing = sorted({w for w in want if w not in cache})
     if missing:
