@@ -2,7 +2,7 @@
 
 model: attention_L1_T2
 spec hash: c3efac14bf93124d
-generator: 0.1.0+f176fdc90c
+generator: 0.1.0+4c81a29b42
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'c3efac14bf93124d'
-GENERATOR_VERSION = '0.1.0+f176fdc90c'
+GENERATOR_VERSION = '0.1.0+4c81a29b42'
 NAME = 'attention_L1_T2'
 P = 1
 T = 2
@@ -246,6 +246,14 @@ def block_beta(b, params):
 
 @njit(cache=True)
 def block_bound(b, R, params):
+    return math.nan
+
+
+UNTIED_FIRST = ()  # (query row, key row) of an untied first layer
+
+
+@njit(cache=True)
+def untied_beta(params):
     return math.nan
 
 

@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_heads2
 spec hash: 4d0ec50932b2b92b
-generator: 0.1.0+f176fdc90c
+generator: 0.1.0+4c81a29b42
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '4d0ec50932b2b92b'
-GENERATOR_VERSION = '0.1.0+f176fdc90c'
+GENERATOR_VERSION = '0.1.0+4c81a29b42'
 NAME = 'attention_L2_T2_heads2'
 P = 3
 T = 2
@@ -469,6 +469,14 @@ def block_bound(b, R, params):
         return abs(float(0.5)) * 1.4142135623730951
     elif b == 1:
         return abs(float(0.5)) * 1.4142135623730951
+    return math.nan
+
+
+UNTIED_FIRST = ()  # (query row, key row) of an untied first layer
+
+
+@njit(cache=True)
+def untied_beta(params):
     return math.nan
 
 

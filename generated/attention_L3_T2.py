@@ -2,7 +2,7 @@
 
 model: attention_L3_T2
 spec hash: a55bd7fb68e63aa4
-generator: 0.1.0+f176fdc90c
+generator: 0.1.0+4c81a29b42
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'a55bd7fb68e63aa4'
-GENERATOR_VERSION = '0.1.0+f176fdc90c'
+GENERATOR_VERSION = '0.1.0+4c81a29b42'
 NAME = 'attention_L3_T2'
 P = 3
 T = 2
@@ -499,6 +499,14 @@ def block_bound(b, R, params):
         return abs(float(1)) * 1.4142135623730951
     elif b == 1:
         return abs(float(1)) * 1.4142135623730951
+    return math.nan
+
+
+UNTIED_FIRST = ()  # (query row, key row) of an untied first layer
+
+
+@njit(cache=True)
+def untied_beta(params):
     return math.nan
 
 

@@ -2,7 +2,7 @@
 
 model: attention_hardmax_L1_T2
 spec hash: f90cb13227cdef10
-generator: 0.1.0+f176fdc90c
+generator: 0.1.0+4c81a29b42
 denoiser path: exact (hardmax, one layer, T = 2: region constraint (union of wedges), closed form)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'f90cb13227cdef10'
-GENERATOR_VERSION = '0.1.0+f176fdc90c'
+GENERATOR_VERSION = '0.1.0+4c81a29b42'
 NAME = 'attention_hardmax_L1_T2'
 P = 1
 T = 2
@@ -219,6 +219,14 @@ def block_beta(b, params):
 
 @njit(cache=True)
 def block_bound(b, R, params):
+    return math.nan
+
+
+UNTIED_FIRST = ()  # (query row, key row) of an untied first layer
+
+
+@njit(cache=True)
+def untied_beta(params):
     return math.nan
 
 

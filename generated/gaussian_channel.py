@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+f176fdc90c
+generator: 0.1.0+4c81a29b42
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+f176fdc90c'
+GENERATOR_VERSION = '0.1.0+4c81a29b42'
 NAME = 'gaussian_channel'
 P = 1
 T = 1
@@ -180,6 +180,14 @@ def block_beta(b, params):
 
 @njit(cache=True)
 def block_bound(b, R, params):
+    return math.nan
+
+
+UNTIED_FIRST = ()  # (query row, key row) of an untied first layer
+
+
+@njit(cache=True)
+def untied_beta(params):
     return math.nan
 
 

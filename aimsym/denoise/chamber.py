@@ -90,10 +90,20 @@ def rule(n_x: int, n_r: int):
 
 
 def applies(K) -> bool:
-    return len(getattr(K, "CHAMBER_BLOCKS", ())) > 0
+    return len(getattr(K, "CHAMBER_BLOCKS", ())) > 0 or untied_applies(K)
+
+
+def untied_applies(K) -> bool:
+    return len(getattr(K, "UNTIED_FIRST", ())) > 0
 
 
 def broad(K, omega, V, params) -> np.ndarray:
+    if untied_applies(K):  # (no cheaper rule for the untied model: its modal fast path stalls)
+        return np.ones(omega.shape[0], bool)
+    return _broad(K, omega, V, params)
+
+
+def _broad(K, omega, V, params) -> np.ndarray:
     """Samples for which the chamber rule goes first: the prior of some block's row is wide next
     to the switching layers (beta sd (|omega_row| + 5 sd) > 1, the criterion of the polar rule's
     Gauss-Hermite shortcut); elsewhere the posterior is close to its Laplace mixture and the
@@ -109,6 +119,8 @@ def broad(K, omega, V, params) -> np.ndarray:
 def max_level(K, tol: float) -> int:
     """The finest level within the budget (``MAX_COMBINATIONS`` node combinations per sample);
     the levels are tried in turn, so a loose tol stops early anyway."""
+    if untied_applies(K):
+        return len(UNTIED_LEVELS) - 1
     T, nb = int(K.T), len(K.CHAMBER_BLOCKS)
     top = 0
     for lv in range(len(LEVELS)):
@@ -186,14 +198,18 @@ def evaluate(K, obs, omega, V, params, level: int, growth: np.ndarray):
 
 def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_level: int | None = None,
         idx: np.ndarray | None = None):
-    """Levels of the chamber rule until the estimate meets tol, for the samples idx (default all).
+    """Levels of the chamber rule (or, for an untied first layer, the untied rule) until the
+    estimate meets tol, for the samples idx (default all).
 
     Returns (done, g_out, dg_out, log Z_out, estimate, evaluations, status) for idx; ``done``
     marks the samples whose estimate is <= tol (the others keep the finest level reached)."""
+    untied = untied_applies(K)
+    levels = UNTIED_LEVELS if untied else LEVELS
+    run_level = untied_evaluate if untied else evaluate
     idx = np.arange(omega.shape[0]) if idx is None else np.asarray(idx)
     m, p, T = len(idx), omega.shape[1], omega.shape[2]
-    top = len(LEVELS) - 1 if max_level is None else min(max_level, len(LEVELS) - 1)
-    start = min(first_level(tol) if start is None else start, top)
+    top = len(levels) - 1 if max_level is None else min(max_level, len(levels) - 1)
+    start = min((untied_first_level(tol) if untied else first_level(tol)) if start is None else start, top)
     sub_v = (lambda a: a[idx]) if V.shape[0] != 1 else (lambda a: a)
     g = np.full((m, p, T), np.nan)
     dg = np.full((m, p, T, p, T), np.nan)
@@ -209,8 +225,8 @@ def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_l
         if active.size == 0:
             break
         sel = idx[active]
-        gl, dgl, ex, st = evaluate(K, obs[sel], omega[sel], sub_v(V)[active] if V.shape[0] != 1 else V, params,
-                                   level, growth[active])
+        gl, dgl, ex, st = run_level(K, obs[sel], omega[sel], sub_v(V)[active] if V.shape[0] != 1 else V, params,
+                                    level, growth[active])
         # a domain whose outermost nodes carry weight grows (and the level is redone)
         for _ in range(MAX_GROWTH):
             wide = np.flatnonzero((st == 0) & (ex[:, 3] > EDGE_TOL))
@@ -218,8 +234,8 @@ def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_l
                 break
             growth[active[wide]] *= GROWTH
             s2 = idx[active[wide]]
-            g2, dg2, ex2, st2 = evaluate(K, obs[s2], omega[s2], V if V.shape[0] == 1 else sub_v(V)[active[wide]],
-                                         params, level, growth[active[wide]])
+            g2, dg2, ex2, st2 = run_level(K, obs[s2], omega[s2], V if V.shape[0] == 1 else sub_v(V)[active[wide]],
+                                          params, level, growth[active[wide]])
             gl[wide], dgl[wide], ex[wide], st[wide] = g2, dg2, ex2, st2
             if prev is not None:  # the coarser level is not comparable on another domain
                 prev[0][wide] = np.nan
@@ -242,3 +258,34 @@ def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_l
             active = active[keep]
             prev = (gl[keep], dgl[keep], ex[keep, 0])
     return done, g, dg, lz, est, evals, status
+
+
+# ----------------------------------------------------------------------------- untied first layer
+# (angle nodes, t_q nodes, |d| nodes, Gauss-Hermite nodes in s) per level
+UNTIED_LEVELS = ((4, 8, 8, 8), (6, 10, 10, 12), (8, 14, 14, 16), (10, 18, 18, 24), (13, 24, 24, 32))
+UNTIED_MEDIAN_DIFF = (math.inf, 4e-3, 1e-3, 1e-4, 1e-5)  # (two untied layers at T = 2, SE points)
+
+
+def untied_first_level(tol: float) -> int:
+    for i in range(1, len(UNTIED_MEDIAN_DIFF)):
+        if UNTIED_MEDIAN_DIFF[i] <= tol:
+            return i
+    return len(UNTIED_MEDIAN_DIFF) - 1
+
+
+def untied_evaluate(K, obs, omega, V, params, level: int, growth: np.ndarray):
+    """One level of the untied rule (``untied_one``) on a batch: as ``evaluate``."""
+    n, p, T = omega.shape
+    n_x, n_q, n_k, n_s = UNTIED_LEVELS[level]
+    xs, wx = np.polynomial.legendre.leggauss(n_x)
+    qs, wq = np.polynomial.legendre.leggauss(n_q)
+    ks, wk = np.polynomial.legendre.leggauss(n_k)
+    gx, gw = np.polynomial.hermite.hermgauss(n_s)
+    g = np.empty((n, p, T))
+    dg = np.empty((n, p, T, p, T))
+    extra = np.zeros((n, 4))
+    status = np.zeros(n, np.int64)
+    K.untied_batch(np.ascontiguousarray(obs), np.ascontiguousarray(omega), np.ascontiguousarray(V), params,
+                   xs, wx, qs, wq, ks, wk, gx, gw, KAPPA, CRAD, RADIUS, np.ascontiguousarray(growth, dtype=float),
+                   g, dg, extra, status)
+    return g, dg, extra, status

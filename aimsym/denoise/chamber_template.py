@@ -628,3 +628,258 @@ def chamber_batch(obs, omega, V, params, tab, Qt, Wt, St, Et, g_out, dg_out, ext
     for i in prange(n):
         status[i] = chamber_one(obs[i], omega[i], V[0] if shared else V[i], params, tab[i], Qt, Wt, St, Et,
                                 g_out[i], dg_out[i], extra[i])
+
+
+# ============================================================================
+# Untied first layer at T = 2 (UNTIED_FIRST): chambers of q_a = 0, k_1 = k_2
+# ============================================================================
+
+
+@njit(cache=True)
+def untied_pair_nodes(Rq, Rk, beta, xs, wx, qs, wq, ks, wk, kappa, crad, U, W, E):
+    """(q, k_perp) nodes of an untied first-layer head at T = 2, one of each pair +-(q, k_perp)
+    (q_1 >= 0; -(q, k_perp) leaves its attention sigma(beta q k^T) unchanged): row a switches with
+    q_a d, d = k_2 - k_1. Per sign of q_2 and piece i (the larger |q_a| = t_q, the other t_q x):
+    t_q = sqrt(crad) sinh(s) on [0, Rq]; per sign of d, |d| = a_k sinh(s') on [0, Rk] with
+    a_k = kappa / (beta t_q) (where the larger row switches); x = eps sinh(tau) with
+    eps = kappa / (beta t_q |d|) (where the smaller row switches). U rows (q_1, q_2, -d/2, d/2),
+    W the log weights, E 1 on the outermost radial nodes. Returns the node count."""
+    nx = xs.shape[0]
+    nq = qs.shape[0]
+    nk = ks.shape[0]
+    a = math.sqrt(crad)
+    smq = math.asinh(Rq / a)
+    n = 0
+    for sg in (1.0, -1.0):
+        for i in range(2):
+            for iq in range(nq):
+                sq = 0.5 * smq * (qs[iq] + 1.0)
+                tq = a * math.sinh(sq)
+                wtq = 0.5 * smq * wq[iq] * a * math.cosh(sq) * tq
+                ak = kappa / (beta * tq) if beta > 0.0 else a
+                smk = math.asinh(Rk / ak)
+                for sd in (1.0, -1.0):
+                    for ik in range(nk):
+                        sk = 0.5 * smk * (ks[ik] + 1.0)
+                        tk = ak * math.sinh(sk)
+                        wtk = 0.5 * smk * wk[ik] * ak * math.cosh(sk)
+                        if beta > 0.0:
+                            eps = kappa / (beta * tq * tk)
+                            tmax = math.asinh(1.0 / eps)
+                        for ix in range(nx):
+                            if beta > 0.0:
+                                tau = 0.5 * tmax * (xs[ix] + 1.0)
+                                x = eps * math.sinh(tau)
+                                wxx = 0.5 * tmax * wx[ix] * eps * math.cosh(tau)
+                            else:
+                                x = 0.5 * (xs[ix] + 1.0)
+                                wxx = 0.5 * wx[ix]
+                            big, small = tq, tq * x
+                            U[n, 0] = big if i == 0 else small
+                            U[n, 1] = sg * (small if i == 0 else big)
+                            U[n, 2] = -0.5 * sd * tk
+                            U[n, 3] = 0.5 * sd * tk
+                            w = wtq * wtk * wxx
+                            W[n] = math.log(w) if w > 0.0 else -math.inf
+                            E[n] = 1.0 if (iq == nq - 1 or ik == nk - 1) else 0.0
+                            n += 1
+    return n
+
+
+@njit(cache=True)
+def _untied_kappa(Un, sg, b, s, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L):
+    """log of the integral over kappa (the first layer's key mean) at the node (Un, sign sg),
+    branch b and s: three evaluations at kappa = k0 + (-1, 0, 1) hk give the exact quadratic
+    L(y) = A y^2 + B y + C (y = (kappa - k0) / hk) and the affine z(y) (rows in zs). Returns
+    (log integral, A, B); -inf where a point has zero weight or the quadratic does not decay."""
+    p = P
+    nt = T
+    for j in range(3):
+        kap = k0 + (j - 1) * hk
+        u[0] = sg * Un[0]
+        u[1] = sg * Un[1]
+        u[2] = kap + sg * Un[2]
+        u[3] = kap + sg * Un[3]
+        u[4] = s
+        lj = branch(b, u, obs, params, z)
+        if not (-math.inf < lj < math.inf):
+            return -math.inf, 0.0, 0.0
+        if HAS_MARGINAL:
+            lj += _marginal(z, omega, Vinv)
+        L[j] = lj + _log_prior(z, omega, Vinv, logdet_V)
+        for k in range(p):
+            for t in range(nt):
+                zs[j, k, t] = z[k, t]
+    A = 0.5 * (L[2] + L[0] - 2.0 * L[1])
+    B = 0.5 * (L[2] - L[0])
+    if not (A < 0.0):
+        return -math.inf, 0.0, 0.0
+    return L[1] - B * B / (4.0 * A) + 0.5 * math.log(math.pi / -A) + math.log(hk), A, B
+
+
+@njit(cache=True)
+def _untied_mode(Un, sg, b, s0, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L):
+    """Mode s* of F(s) = log of the kappa integral (damped Newton with finite differences from
+    s0) and its curvature: returns (s*, sigma = (-F'')^{-1/2}); sigma = 0 if F is -inf."""
+    s = s0
+    hs = 1e-3
+    F0 = _untied_kappa(Un, sg, b, s, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L)[0]
+    if not (F0 > -math.inf):
+        # search outwards for a point of positive weight
+        for r in (1.0, -1.0, 3.0, -3.0, 6.0, -6.0):
+            F0 = _untied_kappa(Un, sg, b, s0 + r, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L)[0]
+            if F0 > -math.inf:
+                s = s0 + r
+                break
+        if not (F0 > -math.inf):
+            return s0, 0.0
+    H = -1.0
+    for it in range(40):
+        Fp = _untied_kappa(Un, sg, b, s + hs, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L)[0]
+        Fm = _untied_kappa(Un, sg, b, s - hs, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L)[0]
+        g = (Fp - Fm) / (2.0 * hs)
+        H = (Fp - 2.0 * F0 + Fm) / (hs * hs)
+        if not (g == g and H == H):
+            return s, 0.0
+        step = -g / H if H < 0.0 else (1.0 if g > 0.0 else -1.0)
+        step = max(-2.0, min(2.0, step))
+        if abs(step) < 1e-7:
+            break
+        tstep = 1.0
+        moved = False
+        for ls in range(30):
+            Ft = _untied_kappa(Un, sg, b, s + tstep * step, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs,
+                               L)[0]
+            if Ft >= F0:
+                s += tstep * step
+                F0 = Ft
+                moved = True
+                break
+            tstep *= 0.5
+        if not moved or abs(tstep * step) < 1e-7:
+            break
+    if not (H < 0.0):
+        return s, 1.0
+    return s, 1.0 / math.sqrt(-H)
+
+
+@njit(cache=True)
+def untied_one(obs, omega, V, params, xs, wx, qs, wq, ks, wk, gx, gw, kappa, crad, radius, growth, g_out, dg_out,
+               extra):
+    """One sample of an untied two-layer model at T = 2 by the untied chamber rule: nodes of
+    (q, k_perp) from ``untied_pair_nodes`` and both signs, both branches (signs of lambda). The
+    mean kappa of the first layer's key enters only through the Gaussian prior and the
+    marginalised block's conditional mean (the attention sees key differences): the log weight is
+    exactly quadratic and z exactly affine in kappa, so kappa is integrated in closed form from
+    three evaluations (``_untied_kappa``). s = log|lambda| - s_ref: the resulting F(s) is a narrow
+    bump whose place moves with the node, so each node finds its mode (``_untied_mode``, warm
+    started) and integrates by Gauss-Hermite (physicists' nodes gx, weights gw) on its curvature
+    (F decays double-exponentially on both sides: Gauss-Legendre on the bump's support needs
+    about twice the nodes).
+    extra = (log Z, evaluations, 0, weight share on the outermost radial nodes). Returns a STATUS."""
+    p = P
+    nt = T
+    pt = p * nt
+    D = INTEGRAL_DIM
+    Vinv = np.empty((p, p))
+    logdet_V = _precision(V, Vinv)
+    if logdet_V != logdet_V:
+        return STATUS_BAD_V
+    kq = UNTIED_FIRST[0]
+    kk = UNTIED_FIRST[1]
+    beta = untied_beta(params)
+    nq0 = 0.0
+    for t in range(nt):
+        nq0 += omega[kq, t] * omega[kq, t]
+    Rq = growth * (math.sqrt(nq0) + radius * math.sqrt(V[kq, kq]))
+    Rk = growth * (abs(omega[kk, 1] - omega[kk, 0]) + radius * math.sqrt(2.0 * V[kk, kk]))
+    nn = 8 * qs.shape[0] * ks.shape[0] * xs.shape[0]
+    U = np.empty((nn, 4))
+    W = np.empty(nn)
+    E = np.empty(nn)
+    untied_pair_nodes(Rq, Rk, beta, xs, wx, qs, wq, ks, wk, kappa, crad, U, W, E)
+    k0 = 0.5 * (omega[kk, 0] + omega[kk, 1])
+    hk = math.sqrt(V[kk, kk])
+    u = np.empty(D)
+    z = np.zeros((p, nt))
+    zs = np.zeros((3, p, nt))
+    L = np.empty(3)
+    zb = np.empty(pt)
+    dz = np.empty(pt)
+    nq_ = 1 + pt + pt * (pt + 1) // 2
+    acc = np.zeros(nq_)
+    shift = -math.inf
+    edge_acc = 0.0
+    ng = gx.shape[0]
+    warm = np.zeros((2, N_BRANCHES))
+    for n in range(nn):
+        Un = U[n]
+        for isg in range(2):
+            sg = 1.0 if isg == 0 else -1.0
+            for b in range(N_BRANCHES):
+                sm, sig = _untied_mode(Un, sg, b, warm[isg, b], k0, hk, obs, params, omega, Vinv, logdet_V, u, z,
+                                       zs, L)
+                if not (sig > 0.0):
+                    continue
+                warm[isg, b] = sm
+                for i_g in range(ng):
+                    x = gx[i_g]
+                    sv = sm + 1.4142135623730951 * sig * x
+                    F, A, B = _untied_kappa(Un, sg, b, sv, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L)
+                    if not (F > -math.inf):
+                        continue
+                    lw = F + x * x + math.log(1.4142135623730951 * sig * gw[i_g]) + W[n]
+                    if lw > shift:
+                        newshift = lw + _CH_HEADROOM
+                        if shift > -math.inf:
+                            sc = math.exp(shift - newshift)
+                            for q in range(nq_):
+                                acc[q] *= sc
+                            edge_acc *= sc
+                        shift = newshift
+                    w = math.exp(lw - shift)
+                    m = -B / (2.0 * A)
+                    v = -1.0 / (2.0 * A)
+                    for k in range(p):
+                        for t in range(nt):
+                            a_ = k * nt + t
+                            dz[a_] = 0.5 * (zs[2, k, t] - zs[0, k, t])
+                            zb[a_] = zs[1, k, t] + m * dz[a_] - omega[k, t]
+                    acc[0] += w
+                    if E[n] > 0.0:
+                        edge_acc += w
+                    q = 1
+                    for a_ in range(pt):
+                        acc[q] += w * zb[a_]
+                        q += 1
+                    for a_ in range(pt):
+                        for c_ in range(a_ + 1):
+                            acc[q] += w * (zb[a_] * zb[c_] + v * dz[a_] * dz[c_])
+                            q += 1
+    if not (acc[0] > 0.0):
+        return STATUS_ZERO_LIKELIHOOD
+    S1 = np.empty(pt)
+    S2 = np.zeros((pt, pt))
+    for a_ in range(pt):
+        S1[a_] = acc[1 + a_]
+    q = 1 + pt
+    for a_ in range(pt):
+        for c_ in range(a_ + 1):
+            S2[a_, c_] = acc[q]
+            q += 1
+    st = _finish(shift, acc[0], 1.0, S1, S2, Vinv, g_out, dg_out, extra)
+    extra[1] = nn * 4 * ng
+    extra[2] = 0.0
+    extra[3] = edge_acc / acc[0]
+    return st
+
+
+@njit(cache=True, parallel=True)
+def untied_batch(obs, omega, V, params, xs, wx, qs, wq, ks, wk, gx, gw, kappa, crad, radius, growth, g_out, dg_out,
+                 extra, status):
+    """``untied_one`` over a batch (V leading size 1: shared; growth per sample)."""
+    n = omega.shape[0]
+    shared = V.shape[0] == 1
+    for i in prange(n):
+        status[i] = untied_one(obs[i], omega[i], V[0] if shared else V[i], params, xs, wx, qs, wq, ks, wk, gx, gw,
+                               kappa, crad, radius, growth[i], g_out[i], dg_out[i], extra[i])

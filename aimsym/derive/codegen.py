@@ -501,6 +501,38 @@ def chamber_blocks(spec: Spec, d: Derivation) -> list[tuple[int, int, int]]:
     return blocks
 
 
+def untied_first(spec: Spec, d: Derivation) -> tuple[int, int] | None:
+    """(query row, key row) of an untied first layer for the untied chamber rule: two layers at
+    T = 2, an untied softmax last layer (reduction kind attention-untied) after one untied rank-one
+    single-head softmax layer, whose attention sigma(beta q k^T) switches across q_a = 0 and
+    k_1 = k_2 only. None for other models."""
+    from .spec import AttentionSpec
+
+    red = d.reduction
+    if not (isinstance(spec, AttentionSpec) and red is not None and red.kind == "attention-untied"
+            and len(spec.layers) == 2 and spec.tokens == 2 and not spec.depth_limit):
+        return None
+    first = spec.layers[0]
+    if first.tied or first.rank != 1 or first.heads != 1 or first.activation != "softmax":
+        return None
+    rows = {lb.role: k for k, lb in enumerate(d.labels) if lb.layer == 1}
+    if red.free[:4] != [(rows["q"], 0), (rows["q"], 1), (rows["k"], 0), (rows["k"], 1)]:
+        return None
+    return rows["q"], rows["k"]
+
+
+def _untied_kernels(spec: Spec, d: Derivation) -> list[str]:
+    """``UNTIED_FIRST`` (query row, key row) and ``untied_beta(params)`` for the untied chamber rule."""
+    from .symbolic import param_symbol
+
+    rows = untied_first(spec, d)
+    lines = [f"UNTIED_FIRST = {tuple(rows) if rows else ()!r}  # (query row, key row) of an untied first layer",
+             "", "", "@njit(cache=True)", "def untied_beta(params):"]
+    if not rows:
+        return lines + ["    return math.nan"]
+    return lines + _unpack_params(d) + [f"    return abs(float({_code(param_symbol(spec.layers[0].beta))}))"]
+
+
 def _chamber_kernels(spec: Spec, d: Derivation) -> list[str]:
     """For the chamber rule (``CHAMBER_BLOCKS``): ``block_activation(b, q, params, S)`` fills S
     (T, T) with block b's term a_h sigma(beta q q^T) of its layer's mixing matrix
@@ -686,7 +718,7 @@ def module_source(spec: Spec) -> str:
     hardmax_mixed = red is not None and red.kind == "hardmax-wedge-mixed"
     parts = [_link_kernel(d), _jacobian_kernel(d), _noise_kernel(d), _last_beta_kernel(d), _branch_kernel(d),
              (_MARGINAL_KERNEL if marginal else _MARGINAL_STUB).splitlines(), _polar_kernels(spec, d),
-             _chamber_kernels(spec, d)]
+             _chamber_kernels(spec, d), _untied_kernels(spec, d)]
     parts.append(_observation_function(d))
     if hardmax_mixed:
         parts.append(_mixing_kernel(d))

@@ -738,7 +738,9 @@ def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, da
         warnings.warn(f"state evolution at alpha = {alpha:g} did not converge in {it} iterations "
                       f"(tol {tol:g} relative to min(Q_kk, 1 - Q_kk)); raise max_iter or damping",
                       ConvergenceWarning, stacklevel=2)
-    accuracy = {**ch.den.accuracy, "samples": int(ch.points.shape[0] * ch.points.shape[1]),
+    # (the denoiser's own rule and tol keep their names: "rule" and "tol" are the SE's below)
+    accuracy = {**ch.den.accuracy, "denoiser_rule": getattr(ch.den, "rule", None),
+                "denoiser_tol": getattr(ch.den, "tol", None), "samples": int(ch.points.shape[0] * ch.points.shape[1]),
                 "replicas": int(ch.points.shape[0]), "rule": "scrambled Sobol (randomised QMC)",
                 "tol": tol, "convergence": (f"stalled: the sampled map cycles within {STALL_FRACTION} of its replica "
                                             f"standard error (discrete outputs); Q is the mean of the cycle" if stalled
