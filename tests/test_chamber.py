@@ -179,3 +179,31 @@ def test_k3_and_k4_defaults_are_certified(name):
     assert se.denoiser_accuracy(m, samples=1024)["tol"] == se.SE_TOL_MAX
     assert se.denoiser_accuracy(m, nodes=6).get("nodes") == 6
     assert m.denoiser(nodes=6).rule == "auto"
+
+
+def test_untied_rule_matches_the_adaptive_cubature(monkeypatch):
+    """Two untied layers at T = 2 (k = 5): the untied chamber rule against the mode-centred adaptive
+    cubature (an independent rule over all five coordinates) within the two estimates."""
+    m = load("attention_L2_T2_untied")
+    om, obs, V = points(m, np.random.default_rng(4), 2, kinds=(0, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = m.denoiser(tol=1e-4)(None, om, V, obs=obs)
+        monkeypatch.setattr(chamber, "applies", lambda K: False)
+        ref = m.denoiser(tol=1e-4, max_regions=60_000)(None, om, V, obs=obs)
+    assert np.all(out.error <= 1e-4)
+    act = difference(out.g_out, out.dg_out, ref.g_out, ref.dg_out, out.log_z_out, ref.log_z_out)
+    assert np.all(act <= out.error + ref.error), (act, out.error, ref.error)
+
+
+def test_untied_level_difference_estimate_is_honest():
+    m = load("attention_L2_T2_untied")
+    K = modal.load(m.kernels)
+    om, obs, V = points(m, np.random.default_rng(9), 4)
+    res = [chamber.untied_evaluate(K, obs, om, V, m.params_array(), lv, np.ones(4)) for lv in range(4)]
+    ref = res[-1]
+    for lv in (1, 2):
+        cur, prev = res[lv], res[lv - 1]
+        est = difference(cur[0], cur[1], prev[0], prev[1], cur[2][:, 0], prev[2][:, 0])
+        act = difference(cur[0], cur[1], ref[0], ref[1], cur[2][:, 0], ref[2][:, 0])
+        assert np.all(act <= est), (lv, act, est)
