@@ -687,47 +687,56 @@ def untied_pair_nodes(Rq, Rk, beta, xs, wx, qs, wq, ks, wk, kappa, crad, U, W, E
 
 
 @njit(cache=True)
-def _untied_kappa(Un, sg, b, s, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L):
-    """log of the integral over kappa (the first layer's key mean) at the node (Un, sign sg),
-    branch b and s: three evaluations at kappa = k0 + (-1, 0, 1) hk give the exact quadratic
-    L(y) = A y^2 + B y + C (y = (kappa - k0) / hk) and the affine z(y) (rows in zs). Returns
-    (log integral, A, B); -inf where a point has zero weight or the quadratic does not decay."""
-    p = P
-    nt = T
-    for j in range(3):
-        kap = k0 + (j - 1) * hk
-        u[0] = sg * Un[0]
-        u[1] = sg * Un[1]
-        u[2] = kap + sg * Un[2]
-        u[3] = kap + sg * Un[3]
-        u[4] = s
-        lj = branch(b, u, obs, params, z)
-        if not (-math.inf < lj < math.inf):
-            return -math.inf, 0.0, 0.0
-        if HAS_MARGINAL:
-            lj += _marginal(z, omega, Vinv)
-        L[j] = lj + _log_prior(z, omega, Vinv, logdet_V)
-        for k in range(p):
-            for t in range(nt):
-                zs[j, k, t] = z[k, t]
-    A = 0.5 * (L[2] + L[0] - 2.0 * L[1])
-    B = 0.5 * (L[2] - L[0])
-    if not (A < 0.0):
-        return -math.inf, 0.0, 0.0
-    return L[1] - B * B / (4.0 * A) + 0.5 * math.log(math.pi / -A) + math.log(hk), A, B
+def _untied_eval(Un, sg, b, s, kap, obs, params, omega, Vinv, logdet_V, u, z):
+    """log weight at the node (Un, sign sg), branch b, s and key mean kap; fills z."""
+    u[0] = sg * Un[0]
+    u[1] = sg * Un[1]
+    u[2] = kap + sg * Un[2]
+    u[3] = kap + sg * Un[3]
+    u[4] = s
+    lj = branch(b, u, obs, params, z)
+    if not (-math.inf < lj < math.inf):
+        return -math.inf
+    if HAS_MARGINAL:
+        lj += _marginal(z, omega, Vinv)
+    return lj + _log_prior(z, omega, Vinv, logdet_V)
 
 
 @njit(cache=True)
-def _untied_mode(Un, sg, b, s0, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L):
+def _untied_kappa(Un, sg, b, s, k0, dz, A, obs, params, omega, Vinv, logdet_V, u, z):
+    """log of the integral over the key mean kappa at the node (Un, sign sg), branch b and s. z is
+    affine in kappa with the slope dz (the key row, and the marginalised row's conditional mean),
+    and the log weight is the log prior at z plus terms free of kappa, so it is exactly
+    L0 + B y + A y^2 (y = kappa - k0) with A = -1/2 sum_t dz_t^T V^-1 dz_t (per sample) and
+    B = -sum_t (z_t - omega_t)^T V^-1 dz_t: one evaluation (z at k0 is left in z).
+    Returns (log integral, B); -inf where the point has zero weight."""
+    p = P
+    nt = T
+    L0 = _untied_eval(Un, sg, b, s, k0, obs, params, omega, Vinv, logdet_V, u, z)
+    if not (L0 > -math.inf):
+        return -math.inf, 0.0
+    B = 0.0
+    for t in range(nt):
+        for k in range(p):
+            acc = 0.0
+            for j in range(p):
+                acc += Vinv[k, j] * dz[j, t]
+            B -= (z[k, t] - omega[k, t]) * acc
+    return L0 - B * B / (4.0 * A) + 0.5 * math.log(math.pi / -A), B
+
+
+@njit(cache=True)
+def _untied_mode(Un, sg, b, s0, k0, dz, A, obs, params, omega, Vinv, logdet_V, u, z):
     """Mode s* of F(s) = log of the kappa integral (damped Newton with finite differences from
-    s0) and its curvature: returns (s*, sigma = (-F'')^{-1/2}); sigma = 0 if F is -inf."""
+    s0, to a tenth of the bump's scale) and its curvature: returns (s*, sigma = (-F'')^{-1/2});
+    sigma = 0 if F is -inf."""
     s = s0
     hs = 1e-3
-    F0 = _untied_kappa(Un, sg, b, s, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L)[0]
+    F0 = _untied_kappa(Un, sg, b, s, k0, dz, A, obs, params, omega, Vinv, logdet_V, u, z)[0]
     if not (F0 > -math.inf):
         # search outwards for a point of positive weight
         for r in (1.0, -1.0, 3.0, -3.0, 6.0, -6.0):
-            F0 = _untied_kappa(Un, sg, b, s0 + r, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L)[0]
+            F0 = _untied_kappa(Un, sg, b, s0 + r, k0, dz, A, obs, params, omega, Vinv, logdet_V, u, z)[0]
             if F0 > -math.inf:
                 s = s0 + r
                 break
@@ -735,21 +744,21 @@ def _untied_mode(Un, sg, b, s0, k0, hk, obs, params, omega, Vinv, logdet_V, u, z
             return s0, 0.0
     H = -1.0
     for it in range(40):
-        Fp = _untied_kappa(Un, sg, b, s + hs, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L)[0]
-        Fm = _untied_kappa(Un, sg, b, s - hs, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L)[0]
+        Fp = _untied_kappa(Un, sg, b, s + hs, k0, dz, A, obs, params, omega, Vinv, logdet_V, u, z)[0]
+        Fm = _untied_kappa(Un, sg, b, s - hs, k0, dz, A, obs, params, omega, Vinv, logdet_V, u, z)[0]
         g = (Fp - Fm) / (2.0 * hs)
         H = (Fp - 2.0 * F0 + Fm) / (hs * hs)
         if not (g == g and H == H):
             return s, 0.0
         step = -g / H if H < 0.0 else (1.0 if g > 0.0 else -1.0)
         step = max(-2.0, min(2.0, step))
-        if abs(step) < 1e-7:
+        # the mode only centres the Gauss-Hermite rule: a tenth of its scale is close enough
+        if H < 0.0 and abs(step) < 0.1 / math.sqrt(-H):
             break
         tstep = 1.0
         moved = False
         for ls in range(30):
-            Ft = _untied_kappa(Un, sg, b, s + tstep * step, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs,
-                               L)[0]
+            Ft = _untied_kappa(Un, sg, b, s + tstep * step, k0, dz, A, obs, params, omega, Vinv, logdet_V, u, z)[0]
             if Ft >= F0:
                 s += tstep * step
                 F0 = Ft
@@ -769,9 +778,9 @@ def untied_one(obs, omega, V, params, xs, wx, qs, wq, ks, wk, gx, gw, kappa, cra
     """One sample of an untied two-layer model at T = 2 by the untied chamber rule: nodes of
     (q, k_perp) from ``untied_pair_nodes`` and both signs, both branches (signs of lambda). The
     mean kappa of the first layer's key enters only through the Gaussian prior and the
-    marginalised block's conditional mean (the attention sees key differences): the log weight is
-    exactly quadratic and z exactly affine in kappa, so kappa is integrated in closed form from
-    three evaluations (``_untied_kappa``). s = log|lambda| - s_ref: the resulting F(s) is a narrow
+    marginalised block's conditional mean (the attention sees key differences): z is affine in
+    kappa with a slope shared by every node and the log weight the log prior there, so kappa is
+    integrated in closed form from one evaluation (``_untied_kappa``). s = log|lambda| - s_ref: the resulting F(s) is a narrow
     bump whose place moves with the node, so each node finds its mode (``_untied_mode``, warm
     started) and integrates by Gauss-Hermite (physicists' nodes gx, weights gw) on its curvature
     (F decays double-exponentially on both sides: Gauss-Legendre on the bump's support needs
@@ -799,13 +808,34 @@ def untied_one(obs, omega, V, params, xs, wx, qs, wq, ks, wk, gx, gw, kappa, cra
     E = np.empty(nn)
     untied_pair_nodes(Rq, Rk, beta, xs, wx, qs, wq, ks, wk, kappa, crad, U, W, E)
     k0 = 0.5 * (omega[kk, 0] + omega[kk, 1])
-    hk = math.sqrt(V[kk, kk])
     u = np.empty(D)
     z = np.zeros((p, nt))
-    zs = np.zeros((3, p, nt))
-    L = np.empty(3)
+    z1 = np.zeros((p, nt))
+    # the slope of z in the key mean (the same at every node): from two points of the first node
+    # with positive weight
+    dz = np.zeros((p, nt))
+    A = 0.0
+    for n in range(nn):
+        if _untied_eval(U[n], 1.0, 0, 0.0, k0, obs, params, omega, Vinv, logdet_V, u, z) > -math.inf and \
+                _untied_eval(U[n], 1.0, 0, 0.0, k0 + 1.0, obs, params, omega, Vinv, logdet_V, u, z1) > -math.inf:
+            for k in range(p):
+                for t in range(nt):
+                    dz[k, t] = z1[k, t] - z[k, t]
+            break
+    for t in range(nt):
+        for k in range(p):
+            acc_ = 0.0
+            for j in range(p):
+                acc_ += Vinv[k, j] * dz[j, t]
+            A -= 0.5 * dz[k, t] * acc_
+    if not (A < 0.0):
+        return STATUS_ZERO_LIKELIHOOD
+    v = -1.0 / (2.0 * A)
     zb = np.empty(pt)
-    dz = np.empty(pt)
+    dzf = np.empty(pt)
+    for k in range(p):
+        for t in range(nt):
+            dzf[k * nt + t] = dz[k, t]
     nq_ = 1 + pt + pt * (pt + 1) // 2
     acc = np.zeros(nq_)
     shift = -math.inf
@@ -817,15 +847,14 @@ def untied_one(obs, omega, V, params, xs, wx, qs, wq, ks, wk, gx, gw, kappa, cra
         for isg in range(2):
             sg = 1.0 if isg == 0 else -1.0
             for b in range(N_BRANCHES):
-                sm, sig = _untied_mode(Un, sg, b, warm[isg, b], k0, hk, obs, params, omega, Vinv, logdet_V, u, z,
-                                       zs, L)
+                sm, sig = _untied_mode(Un, sg, b, warm[isg, b], k0, dz, A, obs, params, omega, Vinv, logdet_V, u, z)
                 if not (sig > 0.0):
                     continue
                 warm[isg, b] = sm
                 for i_g in range(ng):
                     x = gx[i_g]
                     sv = sm + 1.4142135623730951 * sig * x
-                    F, A, B = _untied_kappa(Un, sg, b, sv, k0, hk, obs, params, omega, Vinv, logdet_V, u, z, zs, L)
+                    F, B = _untied_kappa(Un, sg, b, sv, k0, dz, A, obs, params, omega, Vinv, logdet_V, u, z)
                     if not (F > -math.inf):
                         continue
                     lw = F + x * x + math.log(1.4142135623730951 * sig * gw[i_g]) + W[n]
@@ -839,12 +868,9 @@ def untied_one(obs, omega, V, params, xs, wx, qs, wq, ks, wk, gx, gw, kappa, cra
                         shift = newshift
                     w = math.exp(lw - shift)
                     m = -B / (2.0 * A)
-                    v = -1.0 / (2.0 * A)
                     for k in range(p):
                         for t in range(nt):
-                            a_ = k * nt + t
-                            dz[a_] = 0.5 * (zs[2, k, t] - zs[0, k, t])
-                            zb[a_] = zs[1, k, t] + m * dz[a_] - omega[k, t]
+                            zb[k * nt + t] = z[k, t] + m * dz[k, t] - omega[k, t]
                     acc[0] += w
                     if E[n] > 0.0:
                         edge_acc += w
@@ -854,7 +880,7 @@ def untied_one(obs, omega, V, params, xs, wx, qs, wq, ks, wk, gx, gw, kappa, cra
                         q += 1
                     for a_ in range(pt):
                         for c_ in range(a_ + 1):
-                            acc[q] += w * (zb[a_] * zb[c_] + v * dz[a_] * dz[c_])
+                            acc[q] += w * (zb[a_] * zb[c_] + v * dzf[a_] * dzf[c_])
                             q += 1
     if not (acc[0] > 0.0):
         return STATUS_ZERO_LIKELIHOOD
