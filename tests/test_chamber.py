@@ -84,42 +84,34 @@ def test_two_layer_chamber_rule_matches_the_polar_rule(c):
     assert np.all(difference(g, dg, ref.g_out, ref.dg_out, lz, ref.log_z_out) <= 1e-10 + est + ref.error)
 
 
-def test_three_token_chamber_rule_matches_independent_cubature():
-    """Two layers at T = 3 (k = 3): against scipy's adaptive Gauss-Kronrod cubature on a prior box
-    (tests/modal_reference.py), at 1e-8."""
-    name = "attention_L2_T3"
+def _against_cubature(name, p, T, seed):
+    """The chamber rule at tol 1e-9 against scipy's adaptive Gauss-Kronrod cubature on a prior box
+    (tests/modal_reference.py) at rtol 1e-10, at one SE point (Q = 0.4 I): their difference."""
     m = load(name)
     K = modal.load(m.kernels)
-    rng = np.random.default_rng(21)
-    V = 0.6 * np.eye(2)
-    om = np.sqrt(0.4) * rng.standard_normal((2, 3))
-    Z = om + np.sqrt(0.6) * rng.standard_normal((2, 3))
+    rng = np.random.default_rng(seed)
+    V = 0.6 * np.eye(p)
+    om = np.sqrt(0.4) * rng.standard_normal((p, T))
+    Z = om + np.sqrt(0.6) * rng.standard_normal((p, T))
     h = h_of(name, Z, 1.0)
     lz_ref, mean, second, status = reference(name, h, om, V, 1.0, rtol=1e-10)
     assert status == "converged"
     g_ref, dg_ref = outputs(V, om, mean, second)
     ok, g, dg, lz, est, _, st_ = chamber.run(K, h[None], om[None], V[None], m.params_array(), tol=1e-9)
     assert ok[0] and st_[0] == 0
-    assert difference(g, dg, g_ref[None], dg_ref[None], lz, np.array([lz_ref]))[0] <= 1e-8
+    return difference(g, dg, g_ref[None], dg_ref[None], lz, np.array([lz_ref]))[0]
+
+
+def test_three_token_chamber_rule_matches_independent_cubature():
+    """Two layers at T = 3 (k = 3): 1e-8."""
+    assert _against_cubature("attention_L2_T3", 2, 3, 21) <= 1e-8
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["attention_L3_T2", "attention_L2_T2_heads2"])
 def test_four_dimensional_chamber_rule_matches_independent_cubature(name):
-    """k = 4 (two blocks: a product of chamber rules): against the scipy reference, 1e-8."""
-    m = load(name)
-    K = modal.load(m.kernels)
-    rng = np.random.default_rng(23)
-    V = 0.6 * np.eye(3)
-    om = np.sqrt(0.4) * rng.standard_normal((3, 2))
-    Z = om + np.sqrt(0.6) * rng.standard_normal((3, 2))
-    h = h_of(name, Z, 1.0)
-    lz_ref, mean, second, status = reference(name, h, om, V, 1.0, rtol=1e-10)
-    assert status == "converged"
-    g_ref, dg_ref = outputs(V, om, mean, second)
-    ok, g, dg, lz, est, _, st_ = chamber.run(K, h[None], om[None], V[None], m.params_array(), tol=1e-9)
-    assert ok[0] and st_[0] == 0
-    assert difference(g, dg, g_ref[None], dg_ref[None], lz, np.array([lz_ref]))[0] <= 1e-8
+    """k = 4 (two blocks: a product of chamber rules): 1e-8."""
+    assert _against_cubature(name, 3, 2, 23) <= 1e-8
 
 
 def _level_honesty(name, n, top, seed):

@@ -36,6 +36,19 @@ _CH_HEADROOM = 30.0
 
 
 @njit(cache=True)
+def _raise_shift(acc, shift, top):
+    """Streamed log-sum-exp: where a log weight ``top`` exceeds the shift, the shift becomes
+    top + _CH_HEADROOM and the sums so far are rescaled. Returns (shift, the factor applied)."""
+    if not (top > shift):
+        return shift, 1.0
+    new = top + _CH_HEADROOM
+    sc = math.exp(shift - new)  # (0 at the first weight: the sums are still 0)
+    for i in range(acc.shape[0]):
+        acc[i] *= sc
+    return new, sc
+
+
+@njit(cache=True)
 def _small_inverse(M, Minv):
     """Minv = M^{-1} for a small square M; returns det M (0: Minv is left undefined)."""
     n = M.shape[0]
@@ -566,14 +579,8 @@ def chamber_one(obs, omega, V, params, tab, Qt, Wt, St, Et, g_out, dg_out, extra
                 return STATUS_NOT_FINITE
             if not (lmax > -math.inf):
                 continue
-            if lmax > shift:
-                newshift = lmax + _CH_HEADROOM
-                if shift > -math.inf:
-                    sc = math.exp(shift - newshift)
-                    for i in range(nq):
-                        acc[i] *= sc
-                    edge_acc *= sc
-                shift = newshift
+            shift, sc = _raise_shift(acc, shift, lmax)
+            edge_acc *= sc
             for m in range(npat):
                 row = LW[m]
                 for j in range(n):
@@ -858,14 +865,8 @@ def untied_one(obs, omega, V, params, xs, wx, qs, wq, ks, wk, gx, gw, kappa, cra
                     if not (F > -math.inf):
                         continue
                     lw = F + x * x + math.log(1.4142135623730951 * sig * gw[i_g]) + W[n]
-                    if lw > shift:
-                        newshift = lw + _CH_HEADROOM
-                        if shift > -math.inf:
-                            sc = math.exp(shift - newshift)
-                            for q in range(nq_):
-                                acc[q] *= sc
-                            edge_acc *= sc
-                        shift = newshift
+                    shift, sc = _raise_shift(acc, shift, lw)
+                    edge_acc *= sc
                     w = math.exp(lw - shift)
                     m = -B / (2.0 * A)
                     for k in range(p):
