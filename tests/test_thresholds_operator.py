@@ -349,6 +349,26 @@ def test_zero_skip_is_refused_before_any_work(monkeypatch):
         th.threshold_report(model.with_values(skip=0.0), samples=1 << 10, staircase=False, perfect=False)
 
 
+def test_documented_phase_diagram_grid_is_accepted_and_benchmarked():
+    """The phase-diagram command of docs/se.md is the one bench.se --figure times, and its grid
+    passes the skip check at every value (it starts above 0)."""
+    import re
+
+    from aimsym.bench.se import figure_commands
+    from aimsym.cli.common import parse_grid
+
+    docs = (ROOT / "docs" / "se.md").read_text()
+    documented = [ln.strip() for ln in docs.splitlines() if ln.strip().startswith("aimsym thresholds")
+                  and "--over skip=" in ln]
+    assert len(documented) == 1
+    opts = re.search(r"(--over skip=\S+ .*--pr-local)", documented[0]).group(1)
+    assert any(opts in cmd for cmd in figure_commands("F", "D"))
+    grid = parse_grid(re.search(r"--over skip=(\S+)", opts).group(1), "--over")
+    assert len(grid) == 16 and min(grid) > 0
+    model = aimsym.load(DER / "attention_L2_T2.toml")
+    assert all(th.singular_mixing(model.with_values(skip=c)) is None for c in grid)
+
+
 def test_phase_diagram_point_at_small_skip_and_plot(tmp_path):
     """The documented grid's first point (skip 0.25: det(c I + S) >= c (1 + c) there): alpha_c
     above its skip-1 value and below the c -> 0 one, the 1/6 bound respected; the plot draws."""
