@@ -264,6 +264,7 @@ def test_phase_diagram_local_perfect_recovery_curve(tmp_path):
     assert all(pt["perfect_recovery"]["alpha"] is None for pt in pd["points"])
     curve = [r for r in phase_rows(pd) if r.get("perfect")]
     assert [r["perfect"] for r in curve] == ["local", "local"]
+    assert all(r["counting"] == 0.5 for r in curve)  # the counting bound p/m, drawn as a line
     assert all(abs(r["alpha"] - 0.5) < 3 * r["stderr"] + 0.01 for r in curve)
     plot.phase_diagram(phase_rows(pd), tmp_path / "pd.png")
     assert (tmp_path / "pd.png").stat().st_size > 1000

@@ -24,6 +24,7 @@ from aimsym.derive.files import derivations_dir
 DER = derivations_dir()
 GC = str(DER / "gaussian_channel.toml")  # Delta symbolic; its kernels are committed and compile fast
 L1 = str(DER / "attention_L1_T2.toml")  # beta symbolic
+L2 = str(DER / "attention_L2_T2.toml")  # skip symbolic
 
 
 def _toml(tmp_path, name, body):
@@ -66,6 +67,9 @@ def _bad_inputs(tmp_path):
          "beta: beta = 0 in the last layer"),
         (["se", L1, "--set", "beta=0", "--alpha", "1"], "beta: beta = 0 in every layer"),
         (["thresholds", L1, "--over", "beta=0:1:3"], "beta: beta = 0 in every layer"),
+        (["thresholds", L2, "--over", "skip=0:4:16", "--out", str(tmp_path / "never.json")],
+         "--over skip: skip 0 <= 0 in layer 1: the mixing matrix c I + S_1 is singular"),
+        (["thresholds", L2, "--set", "skip=0", "--json"], "skip: skip 0 <= 0 in layer 1"),
         (["derive", _toml(tmp_path, "const", 'kind = "smi"\nindices = 1\ntokens = 1\nlink = "z[0] - z[0]"')],
          "link: does not depend on z[k, t]"),
         (["derive", _toml(tmp_path, "minus", f'kind = "smi"\nindices = 1\ntokens = 1\nlink = "{"-" * 3900}z[0]"')],
@@ -85,6 +89,7 @@ def test_bad_inputs_end_in_one_line_and_exit_2(tmp_path, capsys):
         assert len(lines) == 1 and lines[0].startswith("aimsym: error: "), (argv, err)
         assert message in lines[0], (argv, lines[0])
     assert not (tmp_path / "never.sqlite").exists()  # nothing written by any of them
+    assert not (tmp_path / "never.json").exists()
 
 
 def _store_with_points(path):

@@ -2,8 +2,9 @@
 
 Without options: one SE fixed point and one threshold of the two-layer T = 2 model (skip 1).
 ``--figure``: also the whole two-layer figure, by exactly the commands of docs/se.md (thresholds
-at skip 1, 41-point alpha sweep, plot, 16-point phase diagram over skip in [0, 4]), timing each;
+at skip 1, 41-point alpha sweep, plot, 16-point phase diagram over skip in [0.25, 4]), timing each;
 the figures are written to ``--figures`` (default docs/figures) and the data to ``--data``.
+``--workers N`` is passed to the phase diagram (default: all cores, as in docs/se.md).
 """
 
 import argparse
@@ -19,25 +20,27 @@ from aimsym.smi import se, thresholds
 L2 = "derivations/attention_L2_T2.toml"
 
 
-def figure_commands(figures: str, data: str) -> list[str]:
+def figure_commands(figures: str, data: str, workers: int | None = None) -> list[str]:
     th, db = f"{data}/se_L2_T2_thresholds_skip1.json", f"{data}/se_L2_T2_skip1.sqlite"
+    pool = f" --workers {workers}" if workers else ""
     return [
         f"aimsym thresholds {L2} --set skip=1 --samples 32768 --pr-local --json > {th}",
         f"aimsym sweep {L2} --set skip=1 --alpha 0.1:1.1:41 --samples 1024 --tol 1e-3 --store {db} "
         f"--csv {data}/se_L2_T2_skip1.csv --json",
         f"aimsym plot {db} --thresholds {th} --title 'two layers, T = 2, skip 1' "
         f"--out {figures}/se_L2_T2_overlaps_skip1.png",
-        f"aimsym thresholds {L2} --over skip=0:4:16 --samples 16384 --stair-samples 8192 --se-samples 1024 --pr-local "
-        f"--out {data}/se_L2_T2_phase_diagram.json --figure {figures}/se_L2_T2_phase_diagram.png --json > /dev/null",
+        f"aimsym thresholds {L2} --over skip=0.25:4:16 --samples 16384 --stair-samples 8192 --se-samples 1024 "
+        f"--pr-local{pool} --out {data}/se_L2_T2_phase_diagram.json --figure {figures}/se_L2_T2_phase_diagram.png "
+        f"--json > /dev/null",
     ]
 
 
-def run_figure(figures: str, data: str) -> float:
+def run_figure(figures: str, data: str, workers: int | None = None) -> float:
     os.makedirs(data, exist_ok=True)
     bindir = os.path.dirname(sys.executable)
     env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
     total = 0.0
-    for cmd in figure_commands(figures, data):
+    for cmd in figure_commands(figures, data, workers):
         t = time.perf_counter()
         subprocess.run(cmd, shell=True, check=True, env=env, stderr=subprocess.DEVNULL)
         dt = time.perf_counter() - t
@@ -52,6 +55,7 @@ def main(argv=None):
     ap.add_argument("--figure", action="store_true", help="also time the whole two-layer figure")
     ap.add_argument("--figures", default="docs/figures")
     ap.add_argument("--data", default="/tmp/aimsym_bench_se")
+    ap.add_argument("--workers", type=int, default=None, help="processes of the phase diagram (default: all cores)")
     args = ap.parse_args(argv)
     print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores)")
     m = load(L2, skip=1.0)
@@ -64,7 +68,7 @@ def main(argv=None):
     th = thresholds.initial_threshold(m, samples=1 << 16)
     print(f"alpha_c L2_T2 skip=1: {th.alpha:.4f}±{th.stderr:.4f} {time.perf_counter() - t:.1f} s", flush=True)
     if args.figure:
-        run_figure(args.figures, args.data)
+        run_figure(args.figures, args.data, args.workers)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 

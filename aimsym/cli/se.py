@@ -49,7 +49,7 @@ def register(sub) -> None:
     p.add_argument("--pr-samples", type=int, default=1024, dest="pr_samples",
                    help="QMC points of the SE runs locating perfect recovery (default 1024)")
     p.add_argument("--over", default=None, metavar="NAME=START:STOP:NUM",
-                   help="phase diagram: thresholds at every value of one parameter (e.g. skip=0:4:16)")
+                   help="phase diagram: thresholds at every value of one parameter (e.g. skip=0.25:4:16)")
     p.add_argument("--stair-samples", type=int, default=1 << 13, dest="stair_samples",
                    help="with --over: QMC points of the staircase operator (default 8192)")
     p.add_argument("--workers", type=int, default=None, help="with --over: processes (default: all cores)")
@@ -193,6 +193,6 @@ def cmd_phase_diagram(args) -> int:
         return 0
     for pt in pd.points:
         steps = "  ".join(f"{s.subspace}: {s.alpha:.4f}±{s.stderr:.4f}" for s in pt.staircase)
-        print(f"{name} = {pt.value:<8.4g} {steps}" + (f"   ({pt.note})" if pt.note else ""))
+        print(f"{name} = {pt.value:<8.4g} {steps}")
     print(f"{pd.seconds:.1f} s")
     return 0

@@ -107,11 +107,12 @@ def _perfect_lines(ax, perfect: dict | None) -> None:
 
 
 def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None = None):
-    """points: {"skip", "alpha", "stderr", "step"[, "subspace", "jump"]}; thresholds vs skip with the
-    1/6 bound, learning phases shaded (nothing / last layer / all layers for two layers); roots at a
-    jump of the restricted branch are circled."""
+    """points: {"skip", "alpha", "stderr", "step"[, "subspace", "jump", "perfect", "counting"]}; thresholds
+    vs skip with the 1/6 bound, learning phases shaded (nothing / last layer / all layers for two
+    layers, then Q = I), the counting bound p/m where the rows carry it; roots at a jump of the
+    restricted branch are circled. The legend sits right of the axes (it would hide the curves)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    fig, ax = plt.subplots(figsize=(8.0, 3.6))
     steps = sorted({p["step"] for p in points})
     curves = []
     for step in steps:
@@ -136,15 +137,19 @@ def phase_diagram(points: list[dict], out, title: str = "", labels: dict | None 
         ax.fill_between(x0, 0, y0, color="C7", alpha=0.08, label="phase: nothing learnable")
         for i, (x, y) in enumerate(curves):
             upper = curves[i + 1][1] if i + 1 < len(curves) and len(curves[i + 1][1]) == len(y) else np.full_like(y, top)
-            perfect = any(p.get("perfect") and p["step"] == steps[i] for p in points)
+            perfect = next((p["perfect"] for p in points if p.get("perfect") and p["step"] == steps[i]), None)
             ax.fill_between(x, y, upper, color=f"C{i + 4}", alpha=0.08,
-                            label="phase: perfect recovery" if perfect else f"phase: past threshold {steps[i] + 1}")
+                            label={"local": "phase: $Q = I$ locally stable", None: f"phase: past threshold {steps[i] + 1}"}
+                            .get(perfect, "phase: perfect recovery"))
         ax.set_ylim(0, top)
+    counting = {p["counting"] for p in points if p.get("perfect") and p.get("counting") is not None}
+    for a_pr in counting:  # the counting bound p/m (no perfect recovery below it)
+        ax.axhline(a_pr, color="C3", ls=":", lw=1.0, label=rf"counting bound $\alpha_{{PR}} = p/m$ = {a_pr:.3g}")
     ax.axhline(1 / 6, color="k", ls=":", lw=0.8, label=r"$\alpha = 1/6$ (large-skip limit)")
     ax.set_xlabel(r"skip $c$")
     ax.set_ylabel(r"threshold $\alpha$")
     ax.set_title(title)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
     fig.tight_layout()
     save_figure(fig, out)
     plt.close(fig)

@@ -609,6 +609,7 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
     (:func:`aimsym.smi.perfect.perfect_recovery` on ``pr_samples`` SE points; ``pr_algorithmic=False``:
     local stability only)."""
     t0 = time.perf_counter()
+    _check_mixing(model)
     do_stairs = staircase_steps if staircase is None else staircase
     ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
     ini = initial_threshold(model, channel=ch, nodes=nodes)
@@ -638,11 +639,35 @@ _staircase = staircase
 
 
 # ----------------------------------------------------------------------------- phase diagram
-# At skip c = 0 the first-layer mixing matrix softmax(z1 z1^T) of the T = 2 model is exactly
-# singular on the line z1_0 = z1_1, which the symmetric Gauss-Hermite grid of the denoiser hits
-# node for node (division by zero in the generated kernel). The integrand's limit there is 0, and
-# the thresholds are continuous in c -> 0+, so c = 0 is evaluated at c = SKIP_FLOOR (recorded).
-SKIP_FLOOR = 1e-6
+def singular_mixing(model) -> str | None:
+    """Why the exact reduction of ``model`` is degenerate at its bound parameters, or None.
+
+    The attention reductions solve z_L = M_{L-1}(u)^{-1} h, M_l = (c_l I + S_l) M_{l-1}. For tied
+    softmax layers det(c I + S) >= c^T > 0 when c > 0 (theory section 2; T = 2: >= c (1 + c)), but
+    at c = 0 det S vanishes where two tokens' indices coincide (T = 2: det S = sigma(a) + sigma(b)
+    - 1, a + b = (z_0 - z_1)^2), and h_0 - h_1 = det S (z2_0 - z2_1): an observation with small
+    h_0 - h_1 puts the posterior of the earlier index on a ridge along that line (width ~ sqrt c as
+    c -> 0+). The generated kernels divide by det M there (c = 0), and as c -> 0+ the certified
+    denoiser needs its mode-centred rescue on a growing share of the samples (docs/se.md, "Skip
+    c -> 0"). This mirrors the derivation's note "skip <= 0: M_{L-1} can be singular" at the values
+    the model is bound to."""
+    layers = getattr(getattr(model, "spec", None), "layers", None)
+    if not layers or len(layers) < 2:
+        return None
+    params = dict(getattr(model, "parameters", {}) or {})
+    for i, ly in enumerate(layers[:-1], start=1):
+        c = ly.skip if isinstance(ly.skip, int | float) else params.get(str(ly.skip))
+        if c is not None and float(c) <= 0:
+            return (f"skip {float(c):g} <= 0 in layer {i}: the mixing matrix c I + S_{i} is singular (at c = 0 "
+                    f"where two tokens' layer-{i} indices coincide), so the exact reduction z_L = M^-1 h is "
+                    f"degenerate; thresholds need skip > 0 (the cost grows as skip -> 0: docs/se.md, 'Skip c -> 0')")
+    return None
+
+
+def _check_mixing(model, what: str = "skip") -> None:
+    why = singular_mixing(model)
+    if why is not None:
+        raise AimsymError(what, why)
 
 
 @dataclass
@@ -651,8 +676,6 @@ class PhasePoint(Result):
 
     parameter: str
     value: float
-    evaluated_at: float
-    note: str | None
     staircase: list
     perfect_recovery: dict | None
     direction: list
@@ -686,11 +709,8 @@ def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, 
     from ..model import load
 
     t0 = time.perf_counter()
-    used = float(value)
-    note = None
-    if name == "skip" and abs(used) < SKIP_FLOOR:
-        used, note = SKIP_FLOOR, f"skip {value} evaluated at {SKIP_FLOOR} (mixing matrix singular on z1_0 = z1_1)"
-    model = load(model_path, **{name: used})
+    model = load(model_path, **{name: float(value)})
+    _check_mixing(model, name)
     n_ini = nodes
     n_st = stair_nodes if stair_nodes is not None else n_ini
     ini = initial_threshold(model, samples=samples, replicas=replicas, nodes=n_ini, seed=seed)
@@ -712,21 +732,27 @@ def phase_point(model_path, name: str, value: float, *, samples: int = 1 << 14, 
                 "replicas": replicas, "nodes_initial": n_ini, "nodes_staircase": n_st,
                 "pr_samples": pr_samples if perfect else None, "pr_algorithmic": pr_algorithmic if perfect else None,
                 "rule": "scrambled Sobol (randomised QMC)"}
-    return PhasePoint(parameter=name, value=float(value), evaluated_at=used, note=note, staircase=steps,
+    return PhasePoint(parameter=name, value=float(value), staircase=steps,
                       perfect_recovery=pr, direction=ini.direction.tolist(), seconds=time.perf_counter() - t0,
                       provenance=provenance(seed=seed, model_hash=model.hash(), accuracy=accuracy,
                                             parameters=dict(model.parameters)))
 
 
 def phase_diagram(model_path, name: str, values, *, workers=None, progress: bool = False, **kw) -> PhaseDiagram:
-    """:func:`phase_point` at every value, in a local (spawned) process pool; sorted by value."""
+    """:func:`phase_point` at every value, in a local (spawned) process pool; sorted by value.
+    Every value is checked first (:func:`singular_mixing`): a degenerate one is refused before any work."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from ..model import load
 
     t0 = time.perf_counter()
     values = [float(v) for v in values]
     if not values:
         raise AimsymError("--over", "needs at least one value")
+    base = load(model_path)
+    for v in values:
+        _check_mixing(base.with_values(**{name: v}), f"--over {name}")
     if workers == 1:
         pts = [phase_point(model_path, name, v, **kw) for v in values]
     else:
@@ -742,7 +768,8 @@ def phase_diagram(model_path, name: str, values, *, workers=None, progress: bool
 
 
 def phase_rows(pd: dict) -> list[dict]:
-    """Flatten a :func:`phase_diagram` result to plot rows {"skip", "alpha", "stderr", "step"}."""
+    """Flatten a :func:`phase_diagram` result to plot rows {"skip", "alpha", "stderr", "step"}; the
+    perfect-recovery rows also carry "perfect" ("algorithmic" or "local") and "counting" (p/m)."""
     name = pd["parameter"]
     rows = [{"skip": pt[name], "alpha": s["alpha"], "stderr": s["stderr"], "step": i,
              "subspace": s["subspace"], "jump": bool(s.get("jump", False))}
@@ -750,12 +777,12 @@ def phase_rows(pd: dict) -> list[dict]:
     # the perfect-recovery transition as one more curve, after the staircase's steps
     last = max((r["step"] for r in rows), default=-1) + 1
     rows += [{"skip": pt[name], "alpha": pr["alpha"], "stderr": pr["stderr"], "step": last, "subspace": None,
-              "jump": pr["kind"] == "jump", "perfect": "algorithmic"}
+              "jump": pr["kind"] == "jump", "perfect": "algorithmic", "counting": pr.get("counting_alpha")}
              for pt in pd["points"] if (pr := pt.get("perfect_recovery")) and pr.get("alpha") is not None
              and np.isfinite(pr["alpha"])]
     if not any(r.get("perfect") for r in rows):  # local stability only (pr_algorithmic=False)
         rows += [{"skip": pt[name], "alpha": pr["local_alpha"], "stderr": pr["local_alpha_stderr"], "step": last,
-                  "subspace": None, "jump": False, "perfect": "local"}
+                  "subspace": None, "jump": False, "perfect": "local", "counting": pr.get("counting_alpha")}
                  for pt in pd["points"] if (pr := pt.get("perfect_recovery")) and pr.get("local_alpha") is not None
                  and np.isfinite(pr["local_alpha"])]
     return rows
