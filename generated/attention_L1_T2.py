@@ -2,7 +2,7 @@
 
 model: attention_L1_T2
 spec hash: c3efac14bf93124d
-generator: 0.1.0+4c81a29b42
+generator: 0.1.0+1cfa6ebf6c
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'c3efac14bf93124d'
-GENERATOR_VERSION = '0.1.0+4c81a29b42'
+GENERATOR_VERSION = '0.1.0+1cfa6ebf6c'
 NAME = 'attention_L1_T2'
 P = 1
 T = 2
@@ -173,7 +173,7 @@ def last_beta(params):
     return beta
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def branch(b, u, obs, params, z):
     r"""Reduced posterior branch b: fills z (P, T) from the free entries u and the observed quantity obs; returns the log of the weight factor (Jacobian).
 

@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_heads2
 spec hash: 4d0ec50932b2b92b
-generator: 0.1.0+4c81a29b42
+generator: 0.1.0+1cfa6ebf6c
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '4d0ec50932b2b92b'
-GENERATOR_VERSION = '0.1.0+4c81a29b42'
+GENERATOR_VERSION = '0.1.0+1cfa6ebf6c'
 NAME = 'attention_L2_T2_heads2'
 P = 3
 T = 2
@@ -309,7 +309,7 @@ def last_beta(params):
     return 1
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def branch(b, u, obs, params, z):
     r"""Reduced posterior branch b: fills z (P, T) from the free entries u and the observed quantity obs; returns the log of the weight factor (Jacobian).
 

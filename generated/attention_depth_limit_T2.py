@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: ca1478c005423335
-generator: 0.1.0+4c81a29b42
+generator: 0.1.0+1cfa6ebf6c
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -35,7 +35,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'ca1478c005423335'
-GENERATOR_VERSION = '0.1.0+4c81a29b42'
+GENERATOR_VERSION = '0.1.0+1cfa6ebf6c'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2
@@ -2272,7 +2272,7 @@ def last_beta(params):
     return 1
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def branch(b, u, obs, params, z):
     r"""Generic path: u holds all entries of Z (row-major); returns
     log N(obs; g(Z), Delta I) with Delta = NOISE (or params[NOISE_PARAM]).

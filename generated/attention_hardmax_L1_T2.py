@@ -2,7 +2,7 @@
 
 model: attention_hardmax_L1_T2
 spec hash: f90cb13227cdef10
-generator: 0.1.0+4c81a29b42
+generator: 0.1.0+1cfa6ebf6c
 denoiser path: exact (hardmax, one layer, T = 2: region constraint (union of wedges), closed form)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'f90cb13227cdef10'
-GENERATOR_VERSION = '0.1.0+4c81a29b42'
+GENERATOR_VERSION = '0.1.0+1cfa6ebf6c'
 NAME = 'attention_hardmax_L1_T2'
 P = 1
 T = 2
@@ -162,7 +162,7 @@ def last_beta(params):
     return 1
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def branch(b, u, obs, params, z):
     r"""Reduced posterior branch b: fills z (P, T) from the free entries u and the observed quantity obs; returns the log of the weight factor (Jacobian).
 

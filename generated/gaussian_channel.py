@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+4c81a29b42
+generator: 0.1.0+1cfa6ebf6c
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+4c81a29b42'
+GENERATOR_VERSION = '0.1.0+1cfa6ebf6c'
 NAME = 'gaussian_channel'
 P = 1
 T = 1
@@ -119,7 +119,7 @@ def last_beta(params):
     return 1
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def branch(b, u, obs, params, z):
     r"""Generic path: u holds all entries of Z (row-major); returns
     log N(obs; g(Z), Delta I) with Delta = NOISE (or params[NOISE_PARAM]).

@@ -2,7 +2,7 @@
 
 model: glm_sign
 spec hash: c64eee4aaf29a557
-generator: 0.1.0+4c81a29b42
+generator: 0.1.0+1cfa6ebf6c
 denoiser path: exact (sign of a single index (z_0_0): half-space constraint, closed form)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'c64eee4aaf29a557'
-GENERATOR_VERSION = '0.1.0+4c81a29b42'
+GENERATOR_VERSION = '0.1.0+1cfa6ebf6c'
 NAME = 'glm_sign'
 P = 1
 T = 1
@@ -116,7 +116,7 @@ def last_beta(params):
     return 1
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def branch(b, u, obs, params, z):
     r"""Reduced posterior branch b: fills z (P, T) from the free entries u and the observed quantity obs; returns the log of the weight factor (Jacobian).
 

@@ -2,7 +2,7 @@
 
 model: mim_product
 spec hash: 256c784af7e77580
-generator: 0.1.0+4c81a29b42
+generator: 0.1.0+1cfa6ebf6c
 denoiser path: exact (solved y = g(Z) for z_1_0 (1 branch))
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '256c784af7e77580'
-GENERATOR_VERSION = '0.1.0+4c81a29b42'
+GENERATOR_VERSION = '0.1.0+1cfa6ebf6c'
 NAME = 'mim_product'
 P = 2
 T = 1
@@ -119,7 +119,7 @@ def last_beta(params):
     return 1
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def branch(b, u, obs, params, z):
     r"""Reduced posterior branch b: fills z (P, T) from the free entries u and the observed quantity obs; returns the log of the weight factor (Jacobian).
 

@@ -1,5 +1,6 @@
 """Weak-recovery operator F, alpha_c, staircase: closed forms and the two-layer attention model."""
 
+import warnings
 import json
 import subprocess
 import sys
@@ -328,25 +329,40 @@ def test_three_layers_last_first_then_two_together():
     assert max(alphas) - min(alphas) <= 3 * np.hypot(max(errs), min(errs))
 
 
-def test_zero_skip_is_refused_before_any_work(monkeypatch):
-    """skip 0: the first layer's mixing matrix softmax(z1 z1^T) is singular on z1_0 = z1_1 (the exact
-    reduction z2 = M^-1 h degenerates; docs/se.md "Skip c -> 0"). A phase-diagram grid holding it
-    is refused before any point is computed, and so is a threshold report at skip 0 or below; any
-    skip > 0 passes the check, and so does a one-layer model (no mixing matrix to invert)."""
+def test_negative_skip_is_refused_before_any_work(monkeypatch):
+    """skip < 0: c I + S can be singular inside the bulk (the exact reduction degenerates). A
+    phase-diagram grid holding it is refused before any point is computed, and so is a threshold
+    report; skip >= 0 passes the check, and so does a one-layer model (no mixing matrix to invert)."""
     path = DER / "attention_L2_T2.toml"
     model = aimsym.load(path)
-    assert th.singular_mixing(model.with_values(skip=0.25)) is None
-    assert th.singular_mixing(model.with_values(skip=1e-9)) is None
-    for c in (0.0, -0.5):
-        assert "singular" in th.singular_mixing(model.with_values(skip=c))
+    for c in (0.25, 1e-9, 0.0):
+        assert th.singular_mixing(model.with_values(skip=c)) is None
+    assert "singular" in th.singular_mixing(model.with_values(skip=-0.5))
     assert th.singular_mixing(aimsym.load(DER / "attention_L1_T2.toml")) is None
     calls = []
     monkeypatch.setattr(th, "phase_point", lambda *a, **k: calls.append(a))
     with pytest.raises(aimsym.AimsymError, match="singular"):
-        th.phase_diagram(path, "skip", [1.0, 0.0, 2.0], workers=1)
+        th.phase_diagram(path, "skip", [1.0, -0.5, 2.0], workers=1)
     assert calls == []
     with pytest.raises(aimsym.AimsymError, match="singular"):
-        th.threshold_report(model.with_values(skip=0.0), samples=1 << 10, staircase=False, perfect=False)
+        th.threshold_report(model.with_values(skip=-0.5), samples=1 << 10, staircase=False, perfect=False)
+
+
+def test_zero_skip_is_evaluated_where_the_mixing_matrix_is_singular():
+    """skip 0: det S = 0 on the line z1_0 = z1_1. A node exactly on it (omega_u on the diagonal and
+    a symmetric rule) has zero weight instead of raising ZeroDivisionError (the generated branch
+    uses IEEE division), and the denoiser's outputs are finite with honest estimates."""
+    model = aimsym.load(DER / "attention_L2_T2.toml", skip=0.0)
+    rng = np.random.default_rng(0)
+    Z = rng.standard_normal((16, 2, 2))
+    obs = model.observation(Z)
+    omega = np.zeros((16, 2, 2))  # the prior of u centred on the singular line
+    for kw in ({"nodes": 8}, {"rule": "modal", "tol": 1e-3}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            out = model.denoiser(**kw)(None, omega, np.eye(2), obs=obs)
+        assert np.all(np.isfinite(out.g_out)) and np.all(np.isfinite(out.dg_out))
+    assert np.all(np.isfinite(out.error))
 
 
 def test_documented_phase_diagram_grid_is_accepted_and_benchmarked():

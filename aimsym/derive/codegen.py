@@ -232,7 +232,9 @@ def _branch_kernel(d: Derivation) -> list[str]:
     red = d.reduction
     if red is not None and red.marginal:
         return _marginal_branch_kernel(d)
-    lines = ["@njit(cache=True)", "def branch(b, u, obs, params, z):"]
+    # IEEE division: where det M_{L-1} = 0 (skip c = 0 and two tokens' indices equal, a null set)
+    # log J is +inf and the drivers give the point zero weight instead of raising ZeroDivisionError
+    lines = ['@njit(cache=True, error_model="numpy")', "def branch(b, u, obs, params, z):"]
     if red is not None:
         named = [(f"z_{{{k},{t}}}^{{(s={'+-'[i] if red.kind == 'attention-rank1' else i})}}", e)
                  for i, br in enumerate(red.branches) for (k, t), e in zip(red.solved, br)]
@@ -365,7 +367,7 @@ def _polar_kernels(spec: Spec, d: Derivation) -> list[str]:
 
     lines += _unpack_params(d)
     lines.append(f"    return float({_code(param_symbol(spec.layers[0].beta))})")
-    lines += ["", "", "@njit(cache=True)", "def polar_branch(u, obs, params, w):",
+    lines += ["", "", '@njit(cache=True, error_model="numpy")', "def polar_branch(u, obs, params, w):",
               '    """Branch 0 of the reduced posterior: w = solved row (branch 1: -w); returns 1/|det M|."""']
     lines += _unpack(d, red.free, "u")
     lines += [f"    {s.name} = obs[{i}]" for i, s in enumerate(red.obs)]

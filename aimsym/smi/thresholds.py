@@ -643,24 +643,22 @@ def singular_mixing(model) -> str | None:
     """Why the exact reduction of ``model`` is degenerate at its bound parameters, or None.
 
     The attention reductions solve z_L = M_{L-1}(u)^{-1} h, M_l = (c_l I + S_l) M_{l-1}. For tied
-    softmax layers det(c I + S) >= c^T > 0 when c > 0 (theory section 2; T = 2: >= c (1 + c)), but
-    at c = 0 det S vanishes where two tokens' indices coincide (T = 2: det S = sigma(a) + sigma(b)
-    - 1, a + b = (z_0 - z_1)^2), and h_0 - h_1 = det S (z2_0 - z2_1): an observation with small
-    h_0 - h_1 puts the posterior of the earlier index on a ridge along that line (width ~ sqrt c as
-    c -> 0+). The generated kernels divide by det M there (c = 0), and as c -> 0+ the certified
-    denoiser needs its mode-centred rescue on a growing share of the samples (docs/se.md, "Skip
-    c -> 0"). This mirrors the derivation's note "skip <= 0: M_{L-1} can be singular" at the values
-    the model is bound to."""
+    softmax layers det(c I + S) >= c^T > 0 when c > 0 (theory section 2; T = 2: >= c (1 + c)). At
+    c = 0 det S vanishes only on a null set (two tokens' indices equal), where the kernels give zero
+    weight: the model is evaluated, at a cost that grows as c -> 0 (docs/se.md, "Skip c -> 0").
+    A negative skip is refused: c I + S then loses the bound that keeps the reduction well posed
+    (det can change sign across the bulk), mirroring the derivation's note "skip <= 0: M_{L-1} can
+    be singular"."""
     layers = getattr(getattr(model, "spec", None), "layers", None)
     if not layers or len(layers) < 2:
         return None
     params = dict(getattr(model, "parameters", {}) or {})
     for i, ly in enumerate(layers[:-1], start=1):
         c = ly.skip if isinstance(ly.skip, int | float) else params.get(str(ly.skip))
-        if c is not None and float(c) <= 0:
-            return (f"skip {float(c):g} <= 0 in layer {i}: the mixing matrix c I + S_{i} is singular (at c = 0 "
-                    f"where two tokens' layer-{i} indices coincide), so the exact reduction z_L = M^-1 h is "
-                    f"degenerate; thresholds need skip > 0 (the cost grows as skip -> 0: docs/se.md, 'Skip c -> 0')")
+        if c is not None and float(c) < 0:
+            return (f"skip {float(c):g} < 0 in layer {i}: the mixing matrix c I + S_{i} can be singular inside the "
+                    f"bulk, so the exact reduction z_L = M^-1 h is degenerate; thresholds need skip >= 0 (the cost "
+                    f"grows as skip -> 0: docs/se.md, 'Skip c -> 0')")
     return None
 
 
