@@ -197,7 +197,6 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
     if use_chamber:
         chamber_stage(np.flatnonzero(chamber.broad(K, omega, V, params)))
     rest = np.flatnonzero(~done)
-    status[rest] = 0
     if rest.size:
         xs = tensor(D, SCREEN.get(D, 3))[0] * SCREEN_SPREAD
         fl = flips(K)
@@ -221,7 +220,9 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
         sel = rest[fast]
         g[sel], dg[sel], extra[sel] = gf[fast], dgf[fast], exf[fast]
         done[sel] = True
-        status[rest[st != 0]] = st[st != 0]
+        # a failure of the mode search counts only where the chamber rule has no result either
+        bad = (st != 0) & ~np.isfinite(extra[rest, 2])
+        status[rest[bad]] = st[bad]
         # the chamber rule for samples the fast path did not settle and it has not tried
         chamber_stage(rest[~fast & (st == 0) & ~tried[rest]])
         left = np.flatnonzero(~done[rest] & (st == 0))
