@@ -129,12 +129,13 @@ def max_level(K, tol: float) -> int:
     return top
 
 
-def first_level(tol: float) -> int:
-    """The first level compared with its predecessor: the first expected to meet tol."""
-    for i in range(1, len(MEDIAN_DIFF)):
-        if MEDIAN_DIFF[i] <= tol:
+def first_level(tol: float, medians=MEDIAN_DIFF) -> int:
+    """The first level compared with its predecessor: the first expected to meet tol (its typical
+    difference to the level before, ``medians``, is at most tol)."""
+    for i in range(1, len(medians)):
+        if medians[i] <= tol:
             return i
-    return len(MEDIAN_DIFF) - 1
+    return len(medians) - 1
 
 
 def nodes_per_block(T: int, level: int) -> int:
@@ -209,7 +210,7 @@ def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_l
     idx = np.arange(omega.shape[0]) if idx is None else np.asarray(idx)
     m, p, T = len(idx), omega.shape[1], omega.shape[2]
     top = len(levels) - 1 if max_level is None else min(max_level, len(levels) - 1)
-    start = min((untied_first_level(tol) if untied else first_level(tol)) if start is None else start, top)
+    start = min(first_level(tol, UNTIED_MEDIAN_DIFF if untied else MEDIAN_DIFF) if start is None else start, top)
     sub_v = (lambda a: a[idx]) if V.shape[0] != 1 else (lambda a: a)
     g = np.full((m, p, T), np.nan)
     dg = np.full((m, p, T, p, T), np.nan)
@@ -264,13 +265,6 @@ def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_l
 # (angle nodes, t_q nodes, |d| nodes, Gauss-Hermite nodes in s) per level
 UNTIED_LEVELS = ((4, 8, 8, 8), (6, 10, 10, 12), (8, 14, 14, 16), (10, 18, 18, 24), (13, 24, 24, 32))
 UNTIED_MEDIAN_DIFF = (math.inf, 4e-3, 1e-3, 1e-4, 1e-5)  # (two untied layers at T = 2, SE points)
-
-
-def untied_first_level(tol: float) -> int:
-    for i in range(1, len(UNTIED_MEDIAN_DIFF)):
-        if UNTIED_MEDIAN_DIFF[i] <= tol:
-            return i
-    return len(UNTIED_MEDIAN_DIFF) - 1
 
 
 def untied_evaluate(K, obs, omega, V, params, level: int, growth: np.ndarray):
