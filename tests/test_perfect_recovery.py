@@ -184,6 +184,7 @@ def test_phase_retrieval_rank_identity_and_local_stability(phase_retrieval):
     loc = local_stability(ch)
     assert abs(loc["trace_Pi"] - 1.0) < 3 * loc["trace_Pi_stderr"] + 3e-3
     assert loc["local_alpha"] == pytest.approx(1.0, abs=3 * loc["local_alpha_stderr"] + 3e-3)
+    _nishimori_form_agrees(loc, 1.0, 1.0)
     inf = state_evolution(phase_retrieval, 1.05, init="informed", channel=ch, errors=False, max_iter=3000)
     assert inf.perfect_recovery
     uninf = state_evolution(phase_retrieval, 1.05, channel=ch, errors=False, max_iter=3000)
@@ -235,6 +236,7 @@ def test_two_layers_rank_identity_near_V0():
     loc = local_stability(make_channel(model, samples=2048, replicas=8, seed=0))
     assert abs(loc["trace_Pi"] - 2.0) < 3 * loc["trace_Pi_stderr"]
     assert abs(loc["local_alpha"] - 1.0) < 3 * loc["local_alpha_stderr"] + 0.01
+    _nishimori_form_agrees(loc, 2.0, 1.0)
 
 
 @pytest.mark.parametrize("name, m, samples", [
@@ -251,6 +253,17 @@ def test_rank_identity_and_local_stability_beyond_two_dimensions(name, m, sample
     loc = local_stability(make_channel(model, samples=samples, replicas=8, seed=0))
     assert abs(loc["trace_Pi"] - m) < 3 * loc["trace_Pi_stderr"]
     assert abs(loc["local_alpha"] - model.p / m) < 3 * loc["local_alpha_stderr"] + 0.01
+    _nishimori_form_agrees(loc, m, model.p / m)
+
+
+def _nishimori_form_agrees(loc, m, alpha_pr):
+    """Pi's Nishimori form (from dg_out) estimates the same: tr = m and local_alpha = p/m within its
+    own, much smaller, error (plus the O(V) finite-scale term), and the two forms agree within the
+    g g^T form's error (a check of the denoiser)."""
+    assert abs(loc["trace_Pi_nishimori"] - m) < 4 * loc["trace_Pi_nishimori_stderr"] + 2e-3 * m
+    assert abs(loc["local_alpha_nishimori"] - alpha_pr) < 4 * loc["local_alpha_nishimori_stderr"] + 2e-3 * alpha_pr
+    assert loc["trace_Pi_nishimori_stderr"] < loc["trace_Pi_stderr"]
+    assert abs(loc["trace_Pi"] - loc["trace_Pi_nishimori"]) < 3 * loc["trace_Pi_stderr"]
 
 
 def test_phase_diagram_local_perfect_recovery_curve(tmp_path):

@@ -46,6 +46,8 @@ def test_perfect_recovery_json_keeps_the_old_shapes():
                          group_alphas=[0.5], accuracy={}, seconds=1.0)
     keys = list(pr.to_json())
     assert keys[:4] == ["counting_alpha", "m", "note", "local_alpha"] and keys[-2:] == ["accuracy", "seconds"]
-    assert keys[keys.index("scale") + 1:-2] == ["alpha", "stderr", "kind", "bracket", "error_below", "group_alphas",
+    assert keys[keys.index("scale") + 1:-2] == ["local_alpha_nishimori", "local_alpha_nishimori_stderr",
+                                                "trace_Pi_nishimori", "trace_Pi_nishimori_stderr",
+                                                "alpha", "stderr", "kind", "bracket", "error_below", "group_alphas",
                                                 "se_runs", "unconverged_runs"]
     assert pr.alpha == 0.5 and pr["unconverged_runs"] == 0

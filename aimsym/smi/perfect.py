@@ -66,6 +66,13 @@ class LocalStability(Result):
     shape_converged: bool
     shape_at_floor: bool
     scale: float
+    # the Nishimori form of Pi, -V^{1/2} E[sum_t dg_out[:, t; :, t]] V^{1/2}: equal to Pi for a
+    # correct denoiser (theory section 4) and far less noisy near V = 0 (per sample it is
+    # p T - tr(V^-1 Cov(Z | y)), close to m at every y); its local_alpha from the same points
+    local_alpha_nishimori: float | None = None
+    local_alpha_nishimori_stderr: float | None = None
+    trace_Pi_nishimori: float | None = None
+    trace_Pi_nishimori_stderr: float | None = None
 
 
 @dataclass
@@ -114,15 +121,19 @@ class PerfectRecovery(Result):
         return {**out, "accuracy": self.accuracy, "seconds": self.seconds}
 
 
-def pi_replicas(ch: Channel, V: np.ndarray) -> np.ndarray:
-    """Replica values (R, p, p) of Pi = V^{1/2} E[sum_t g_out g_out^T] V^{1/2} at Q = I - V."""
+def pi_replicas(ch: Channel, V: np.ndarray, nishimori: bool = False):
+    """Replica values (R, p, p) of Pi = V^{1/2} E[sum_t g_out g_out^T] V^{1/2} at Q = I - V; with
+    ``nishimori`` also those of its Nishimori form -V^{1/2} E[sum_t dg_out[:, t; :, t]] V^{1/2}."""
     out, R, n = ch.denoise(np.eye(ch.p) - V)
     g = out.g_out.reshape(R, n, ch.p, ch.T)
     gg = np.einsum("rnkt,rnlt->rkl", g, g) / n
     if not np.all(np.isfinite(gg)):
         raise AimsymError("Pi", "non-finite denoiser output near V = 0; raise the denoiser accuracy")
     S = sqrt_psd(V)
-    return sym(S @ gg @ S)
+    if not nishimori:
+        return sym(S @ gg @ S)
+    dg = -np.einsum("rnktlt->rkl", out.dg_out.reshape(R, n, ch.p, ch.T, ch.p, ch.T)) / n
+    return sym(S @ gg @ S), sym(S @ dg @ S)
 
 
 def _normalised(V: np.ndarray, p: int) -> np.ndarray:
@@ -147,10 +158,11 @@ def local_stability(ch: Channel, *, max_iter: int = 60, shape_tol: float = 2e-3)
         V = V_new
         if shape_change < shape_tol:
             break
-    Pi_r = pi_replicas(ch, V)
+    Pi_r, Pn_r = pi_replicas(ch, V, nishimori=True)
     R = Pi_r.shape[0]
     Pi, Pi_se = mean_and_stderr(Pi_r)
     tr, tr_se = mean_and_stderr(np.trace(Pi_r, axis1=1, axis2=2))
+    trn, trn_se = mean_and_stderr(np.trace(Pn_r, axis1=1, axis2=2))
 
     # at a shape the map reproduces Pi is proportional to I and every direction shrinks by alpha
     # det(Pi)^{1/p} per step; a shape pushed to the floor of the ratio is not such a point: there
@@ -163,12 +175,19 @@ def local_stability(ch: Channel, *, max_iter: int = 60, shape_tol: float = 2e-3)
             if np.linalg.det(P) > 0 else 0.0
         return 1.0 / rate if rate > 0 else float("inf")
 
-    loo = np.array([alpha_of((Pi * R - Pi_r[r]) / (R - 1)) for r in range(R)])
-    return LocalStability(local_alpha=alpha_of(Pi),
-                          local_alpha_stderr=float(np.sqrt((R - 1) / R * np.sum((loo - loo.mean()) ** 2))),
+    def jackknife(Pr):
+        M = Pr.mean(axis=0)
+        loo = np.array([alpha_of((M * R - Pr[r]) / (R - 1)) for r in range(R)])
+        return alpha_of(M), float(np.sqrt((R - 1) / R * np.sum((loo - loo.mean()) ** 2)))
+
+    la, la_se = jackknife(Pi_r)
+    ln, ln_se = jackknife(Pn_r)
+    return LocalStability(local_alpha=la, local_alpha_stderr=la_se,
                           Pi=Pi.tolist(), Pi_stderr=Pi_se.tolist(), trace_Pi=float(tr), trace_Pi_stderr=float(tr_se),
                           shape=(V / np.trace(V)).tolist(), shape_iterations=it,
-                          shape_converged=bool(shape_change < shape_tol), shape_at_floor=at_floor, scale=PI_SCALE)
+                          shape_converged=bool(shape_change < shape_tol), shape_at_floor=at_floor, scale=PI_SCALE,
+                          local_alpha_nishimori=ln, local_alpha_nishimori_stderr=ln_se,
+                          trace_Pi_nishimori=float(trn), trace_Pi_nishimori_stderr=float(trn_se))
 
 
 def _reaches(model, ch, alpha, Q0, se_kw):
