@@ -134,3 +134,19 @@ def test_two_layer_matches_se_fixed_point_d1000():
     Q_se = np.diag(se.Q)
     M = np.diag(res["final"]["M"])
     assert np.all(np.abs(M - Q_se) < 0.05), (M, Q_se)
+
+
+def test_quadrature_audit_detects_a_coarse_rule():
+    """The audit compares the run's fixed rule with the error-controlled one: a 3-node rule is far
+    off in the bulk, the 24-node rule much closer; the audited iterations are the first, middle and last."""
+    model = aimsym.load("attention_L2_T2", skip=1.0)
+    coarse = run_amp(model, d=100, alpha=0.5, seeds=1, max_iter=6, den=model.denoiser(nodes=3))
+    fine = run_amp(model, d=100, alpha=0.5, seeds=1, max_iter=6, den=model.denoiser(nodes=24))
+    for res in (coarse, fine):
+        qa = res.quadrature
+        assert qa["audited"] and [r["iteration"] for r in qa["iterations"]] == [1, 3, 6]
+        assert all(r["samples"] == 32 and r["reference_missed_tol"] == 0 for r in qa["iterations"])
+    assert coarse.quadrature["max_error"] > 1e-2
+    assert fine.quadrature["max_error"] < coarse.quadrature["max_error"] / 10
+    controlled = run_amp(model, d=100, alpha=0.5, seeds=1, max_iter=3, den=model.denoiser())
+    assert not controlled.quadrature["audited"] and "error-controlled" in controlled.quadrature["note"]

@@ -120,6 +120,15 @@ def _run_amp(args) -> int:
     t = res.timing
     lines.append(f"time: denoiser {t['denoiser_s']:.2f} s, linear algebra {t['linear_algebra_s']:.2f} s "
                  f"over {t['iterations']} iterations")
+    qa = res.quadrature
+    if qa.get("audited"):
+        for r in qa["iterations"]:
+            err = "reference unresolved" if r["max_error"] is None else f"within {r['max_error']:.1e}"
+            lines.append(f"quadrature at iteration {r['iteration']} (tr V / p = {r['V_scale']:.1e}): fixed rule {err} "
+                         f"of the error-controlled rule on {r['samples'] - r['reference_missed_tol']} of "
+                         f"{r['samples']} inputs")
+    else:
+        lines.append(f"quadrature: {qa.get('note', 'not audited')}")
     _emit(args, res, lines)
     return 0
 
