@@ -17,7 +17,11 @@ import re
 
 import sympy as sp
 
+from .latexutil import align as _align
+from .latexutil import block_name as _block_name
 from .latexutil import broken_lines, latex_program, tex_width, z_name
+from .latexutil import esc as _esc
+from .latexutil import index_blocks as _blocks
 from .spec import AttentionSpec
 from .symbolic import Derivation, Program
 from .symbolic import param_symbol as _param
@@ -42,15 +46,6 @@ _PREAMBLE = r"""\documentclass[11pt]{article}
 # ~500 pt (letter paper, 2 cm margins); appendix lines are printed \small
 _WIDTH = 80
 _WIDTH_SMALL = 88
-
-_TEX_SPECIAL = {"\\": r"\textbackslash{}", "_": r"\_", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
-                "{": r"\{", "}": r"\}", "^": r"\textasciicircum{}", "~": r"\textasciitilde{}"}
-
-
-def _esc(text: str) -> str:
-    """Plain text made safe for LaTeX."""
-    return "".join(_TEX_SPECIAL.get(ch, ch) for ch in text)
-
 
 # The derivation's reasons and notes are plain text written for the terminal; these patterns
 # turn their formula fragments into mathematics (anything else is escaped as text).
@@ -84,14 +79,6 @@ def _prose(text: str) -> str:
     return "".join(out)
 
 
-def _align(lines: list[str], star: bool = True, small: bool = False) -> str:
-    if not lines:
-        return ""
-    env = "align*" if star else "align"
-    body = f"\\begin{{{env}}}\n" + " \\\\\n".join(lines) + f"\n\\end{{{env}}}\n"
-    return "{\\small\n" + body + "}\n" if small else body
-
-
 def _tex(v) -> str:
     return sp.latex(param_symbol(v))
 
@@ -117,34 +104,6 @@ def _activation(act: str, beta, inner: str) -> str:
     if act == "linear":
         return _times(beta) + inner
     return rf"\operatorname{{{act}}}\big({_times(beta)}{inner}\big)"
-
-
-# ----------------------------------------------------------------------------- blocks of Z
-
-
-def _block_name(spec: AttentionSpec, layer: int, head: int, role: str) -> str:
-    """Index block of one weight matrix: z_l, z_l^{(j)} (head j), z_l^Q, z_l^{K(j)} (untied).
-
-    Heads and roles go upstairs: a subscript pair z_{k,t} is an entry of Z (row k, token t)."""
-    H = spec.layers[layer - 1].heads
-    sup = ("" if role == "w" else role.upper()) + ("" if H == 1 else f"({head + 1})")
-    return f"z_{{{layer}}}" + (f"^{{{sup}}}" if sup else "")
-
-
-def _blocks(d: Derivation) -> list[tuple[str, list[int]]]:
-    """(name, rows of Z) for each index block, in row order; for free-form links one per row."""
-    if not isinstance(d.spec, AttentionSpec):
-        return [(_row_name(d, k), [k]) for k in range(d.p)]
-    out: dict[tuple, list[int]] = {}
-    for k, lb in enumerate(d.labels):
-        out.setdefault((lb.layer, lb.head, lb.role), []).append(k)
-    return [(_block_name(d.spec, *key), rows) for key, rows in out.items()]
-
-
-def _row_name(d: Derivation, k: int) -> str:
-    if d.tokens == 1:
-        return z_name(k, 0, d.p, 1)
-    return f"z_{{{k + 1},\\cdot}}"
 
 
 # ----------------------------------------------------------------------------- front: the model
@@ -807,10 +766,16 @@ def front(d: Derivation) -> str:
     return "\n".join([model_section(d), smi_section(d), symmetry_section(d), reduction_section(d)])
 
 
-def document(d: Derivation, appendix: bool = True) -> str:
-    """The self-contained LaTeX document: front section, then (unless ``appendix=False``) the
-    program, the Jacobian and the reduction entry by entry."""
+def document(d: Derivation, appendix: bool = True, theory: bool = True) -> str:
+    """The self-contained LaTeX document: front section, then (unless ``theory=False``) the
+    model's state evolution, free entropy, weak-recovery operator, counting threshold and closed
+    forms (:mod:`aimsym.derive.latex_theory`), then (unless ``appendix=False``) the program, the
+    Jacobian and the reduction entry by entry."""
+    from .latex_theory import theory_sections
+
     parts = [_PREAMBLE, _title(d), front(d)]
+    if theory:
+        parts.append(theory_sections(d))
     if appendix:
         parts.append(appendix_section(d))
     parts.append("\\end{document}\n")
