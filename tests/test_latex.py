@@ -119,6 +119,9 @@ def test_latex_part_writes_one_align_block(tmp_path):
     assert run_cli("derive", path, "--latex-part", "model", "--latex", str(tex)).returncode == 0
     assert tex.read_text() == part(_derivation("attention_L2_T2"), "model")
     # the CLI offers exactly the parts the module has
+    from aimsym.cli.derive import LATEX_PARTS
+
+    assert LATEX_PARTS == tuple(PARTS)
     r = run_cli("derive", path, "--latex-part", "nope")
     assert r.returncode == 2 and all(name in r.stderr for name in PARTS)
 
@@ -349,3 +352,12 @@ def test_compile_check_fails_on_a_latex_error(tmp_path):
     broken = _document("glm_sign").replace(r"\section*{Free entropy}", r"\section*{Free entropy} $\frac{1}$")
     with pytest.raises(AssertionError):
         _compile(broken, tmp_path, "broken")
+
+
+def test_theory_parts_paste_the_declared_models_formulas():
+    d = _derivation("attention_L2_T3")
+    se_block = part(d, "state-evolution")
+    assert se_block.startswith("\\begin{align}\n") and r"\sum_{t=1}^{3}" in se_block and "I_{2}" in se_block
+    op = part(d, "operator")
+    assert r"t, s = 1, 2, 3" in op and r"\alpha_c &= 1/\rho(F)" in op
+    assert r"\log\det(I_{2} + \hat Q)" in part(d, "free-entropy")

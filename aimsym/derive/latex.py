@@ -3,12 +3,16 @@
 The document opens with a front section in the paper's notation: the model as matrix formulas
 per layer, its SMI form y = g(Z), the sign symmetries of g and the exact reduction of the
 denoiser (inverse output map, solved block, reduced integral). One index convention throughout:
-rows of Z (indices) and tokens are numbered from 1. The appendix (left out with
+rows of Z (indices) and tokens are numbered from 1. Then (left out with ``theory=False``) the
+model's learning theory: state evolution, free entropy, weak-recovery operator, counting threshold
+and perfect recovery, closed forms. The appendix (left out with
 ``appendix=False``) has the straight-line program the code runs, the Jacobian and the reduction
 entry by entry, all printed from the SymPy objects of :mod:`aimsym.derive.symbolic`, the same ones the
 code generator turns into kernels.
 
-:func:`part` returns one ``align`` block (model, link, reduction, jacobian) for pasting.
+:func:`part` returns one ``align`` block (model, link, reduction, jacobian, state-evolution,
+free-entropy, operator) for pasting. The sections on the state evolution, free entropy, weak and
+perfect recovery and closed forms come from :mod:`aimsym.derive.latex_theory`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from .latexutil import block_name as _block_name
 from .latexutil import broken_lines, latex_program, tex_width, z_name
 from .latexutil import esc as _esc
 from .latexutil import index_blocks as _blocks
+from .latex_theory import free_entropy_lines, operator_lines, se_lines, theory_sections
 from .spec import AttentionSpec
 from .symbolic import Derivation, Program
 from .symbolic import param_symbol as _param
@@ -771,8 +776,6 @@ def document(d: Derivation, appendix: bool = True, theory: bool = True) -> str:
     model's state evolution, free entropy, weak-recovery operator, counting threshold and closed
     forms (:mod:`aimsym.derive.latex_theory`), then (unless ``appendix=False``) the program, the
     Jacobian and the reduction entry by entry."""
-    from .latex_theory import theory_sections
-
     parts = [_PREAMBLE, _title(d), front(d)]
     if theory:
         parts.append(theory_sections(d))
@@ -787,11 +790,15 @@ PARTS = {
     "link": link_program_lines,
     "reduction": reduction_lines,
     "jacobian": jacobian_lines,
+    "state-evolution": se_lines,
+    "free-entropy": free_entropy_lines,
+    "operator": operator_lines,
 }
 
 
 def part(d: Derivation, name: str) -> str:
-    """One numbered ``align`` block for pasting: ``model``, ``link``, ``reduction``, ``jacobian``.
+    """One numbered ``align`` block for pasting: ``model``, ``link``, ``reduction``, ``jacobian``,
+    ``state-evolution``, ``free-entropy``, ``operator`` (the weak-recovery operator at Q = 0).
 
     Continuation lines of a broken formula carry ``\\nonumber``."""
     from ..errors import SpecError
