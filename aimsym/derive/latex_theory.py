@@ -140,6 +140,13 @@ def _row_list(d: Derivation) -> str:
     return ", ".join(parts)
 
 
+def _row_errors(d: Derivation) -> str:
+    """'$1 - Q_{11}$ for $z_{1}$, ...': the error of every row, named by its block."""
+    def q(k):
+        return f"Q_{{{k + 1}{k + 1}}}" if d.p < 10 else f"Q_{{{k + 1},{k + 1}}}"
+    return ", ".join(", ".join(f"$1 - {q(k)}$" for k in rows) + f" for ${name}$" for name, rows in index_blocks(d))
+
+
 def _layer_of(d: Derivation, rows: list[int]) -> str:
     names = [n for n, r in index_blocks(d) if set(r) <= set(rows)]
     return ", ".join(f"${n}$" for n in names)
@@ -188,9 +195,8 @@ def se_section(d: Derivation) -> str:
             f"with replica standard errors. Iterate from ${n.Q} \\approx 0$ (uninformed) and from "
             f"${n.Q} \\approx {n.I}$ (informed); two different fixed points signal a computational-to-statistical "
             f"gap and the free entropy below chooses the Bayes-optimal one. "
-            + (f"Estimation error per row: $1 - Q_{{kk}}$ "
-               f"(" + ", ".join(f"$1 - Q_{{{r[0] + 1}{r[0] + 1}}}$ for ${nm}$" for nm, r in index_blocks(d)
-                                 if len(r) == 1) + ")." if not n.scalar else "Estimation error: $1 - q$.")]
+            + (f"Estimation error per row: $1 - Q_{{kk}}$ ({_row_errors(d)})." if not n.scalar else
+               "Estimation error: $1 - q$.")]
     return "\n".join(t for t in text if t) + "\n"
 
 
