@@ -361,3 +361,29 @@ def test_theory_parts_paste_the_declared_models_formulas():
     op = part(d, "operator")
     assert r"t, s = 1, 2, 3" in op and r"\alpha_c &= 1/\rho(F)" in op
     assert r"\log\det(I_{2} + \hat Q)" in part(d, "free-entropy")
+
+
+_SMI_CORNERS = {
+    "linear_noiseless": (dict(indices=1, tokens=1, link="z[0, 0]"), r"q^* &= \min(\alpha, 1)"),
+    "gaussian_p2_T2": (dict(indices=2, tokens=2, link=[["z[0, 0]", "z[0, 1]"], ["z[1, 0]", "z[1, 1]"]], noise=0.5),
+                       r"for $\Delta = \frac{1}{2} > 0$"),
+}
+
+
+@pytest.mark.parametrize("corner", sorted(_SMI_CORNERS))
+def test_closed_forms_of_declared_linear_channels(corner, tmp_path):
+    """A noiseless linear link and a numeric-noise Gaussian channel with p = T = 2 (not bundled):
+    the closed form follows the declared noise and shape, and the document compiles."""
+    kw, expect = _SMI_CORNERS[corner]
+    d = derive(S.make_smi(name=corner, **kw))
+    assert LT.closed_form_kind(d) == "gaussian"
+    text = document(d, appendix=False)
+    assert expect in text and "+ 0" not in text and "0 > 0" not in text
+    if _PDFLATEX is not None:
+        assert not _overfull(_compile(text, tmp_path, corner))
+
+
+def test_published_values_name_a_numeric_skip():
+    d = derive(S.make_attention(tokens=2, layers=2, skip=2.0))
+    text = LT.closed_form_section(d)
+    assert "(this model: $c = 2$)" in text and r"\alpha_c(c = 1)" in text

@@ -123,6 +123,28 @@ class _Notation:
         return f"{M}_{{{t}}}" if self.scalar else f"{M}_{{\\cdot {t}}}"
 
 
+def _plus_noise(d: Derivation) -> str:
+    """' + Delta' (the output noise as a summand), empty for a noiseless link."""
+    return "" if noise(d) == 0 else f" + {sp.latex(noise(d))}"
+
+
+def _noise_positive(d: Derivation) -> str:
+    """The noise as prose math: 'Delta > 0', or 'Delta = 1/2 > 0' for a number (LaTeX)."""
+    D = noise(d)
+    return f"{sp.latex(D)} > 0" if D.is_Symbol else rf"\Delta = {sp.latex(D)} > 0"
+
+
+def _noise_name(d: Derivation) -> str:
+    D = noise(d)
+    return sp.latex(D) if D.is_Symbol else r"\Delta"
+
+
+def _half(T: int) -> str:
+    """T/2 as a prefactor in LaTeX: 1/2, (nothing), 3/2, 2, ..."""
+    r = sp.Rational(T, 2)
+    return "" if r == 1 else (str(r) if r.q == 1 else rf"\tfrac{{{r.p}}}{{{r.q}}}")
+
+
 def _frac(x) -> str:
     return sp.latex(sp.nsimplify(x))
 
@@ -242,7 +264,7 @@ def free_entropy_section(d: Derivation) -> str:
            f"global maximiser."]
     red = d.reduction
     if noise(d) != 0:
-        out.append(f"With output noise ${sp.latex(noise(d))} > 0$, $\\log Z_{{\\rm out}}$ is the log density of $y$ and "
+        out.append(f"With output noise ${_noise_positive(d)}$, $\\log Z_{{\\rm out}}$ is the log density of $y$ and "
                    f"$\\Phi$ is absolute.")
     elif red is not None and red.kind in ("attention-rank1", "attention-untied"):
         out.append(r"For this deterministic link $\log Z_{\rm out}$ is computed from the reduced integral of the "
@@ -331,8 +353,12 @@ def _no_zero_fixed_point(d: Derivation) -> str:
     elif kind == "gaussian":
         D = sp.latex(noise(d))
         aT = sp.latex(sp.Symbol("alpha") * d.tokens)
-        text += (rf" Here ${_G}(y, 0, {n.I}) = y/(1 + {D})$ per token, so the first step gives "
-                 rf"${n.Qh} = {aT}/(1 + {D})" + ("" if n.scalar else f"\\, {n.I}") + "$.")
+        if noise(d) == 0:
+            text += (rf" Here ${_G}(y, 0, {n.I}) = y$ per token, so the first step gives "
+                     rf"${n.Qh} = {aT}" + ("" if n.scalar else f"\\, {n.I}") + "$.")
+        else:
+            text += (rf" Here ${_G}(y, 0, {n.I}) = y/(1 + {D})$ per token, so the first step gives "
+                     rf"${n.Qh} = {aT}/(1 + {D})" + ("" if n.scalar else f"\\, {n.I}") + "$.")
     return text
 
 
@@ -447,7 +473,7 @@ def perfect_recovery_section(d: Derivation) -> str:
     if D != 0:
         n = _Notation(d)
         lim = r"v \hat q \to 0" if n.scalar else r"V^{1/2} \hat Q V^{1/2} \to 0"
-        tail = (f" With output noise ${sp.latex(D)} > 0$, ${_G}$ stays bounded as ${n.V} \\to 0$ "
+        tail = (f" With output noise ${_noise_positive(d)}$, ${_G}$ stays bounded as ${n.V} \\to 0$ "
                 f"(${lim}$): ${n.Q} = {n.I}$ is never reached and there is no perfect recovery "
                 f"at any $\\alpha$.")
         if D.is_Symbol:
@@ -518,32 +544,40 @@ def closed_form_section(d: Derivation) -> str:
 
 
 def _gaussian(d: Derivation) -> str:
-    D = sp.latex(noise(d))
+    D, pD = sp.latex(noise(d)), _plus_noise(d)
     T, p = d.tokens, d.p
     aT = sp.latex(sp.Symbol("alpha") * T)
     scalar = p == 1
     I = "" if scalar else f"\\, I_{{{p}}}"
     yt, wt = ("y_{t}", r"\omega_{t}") if scalar and T > 1 else (("y_{\\cdot t}", r"\omega_{\cdot t}") if T > 1 else ("y", r"\omega"))
     if scalar:
-        den = f"v + {D}"
-        lines = [rf"{_G if T == 1 else _g('t')} &= \frac{{{yt} - {wt}}}{{{den}}}, \qquad "
-                 rf"\partial_\omega {_G if T == 1 else _g('t')} = -\frac{{1}}{{{den}}}",
-                 rf"\hat q &= \frac{{{aT}}}{{1 - q + {D}}}, \qquad q = \frac{{\hat q}}{{1 + \hat q}}",
-                 rf"\Psi_{{\rm out}}(q) &= -\tfrac{{{T}}}{{2}} \log\big(2\pi e\, (1 - q + {D})\big)"]
+        den = f"v{pD}"
+        gt = _G if T == 1 else _g("t")
+        lines = [rf"{gt} &= \frac{{{yt} - {wt}}}{{{den}}}, \qquad \partial_\omega {gt} = -\frac{{1}}{{{den}}}",
+                 rf"\hat q &= \frac{{{aT}}}{{1 - q{pD}}}, \qquad q = \frac{{\hat q}}{{1 + \hat q}}",
+                 rf"\Psi_{{\rm out}}(q) &= -{_half(T)} \log\big(2\pi e\, (1 - q{pD})\big)"]
     else:
-        inv = f"(V + {D}{I})^{{-1}}"
+        inv = f"(V{pD}{I})^{{-1}}"
         gc = _g(r"\cdot t") if T > 1 else _G
         lines = [rf"{gc} &= {inv}\,({yt} - {wt}), \qquad \partial_\omega {gc} = -{inv}",
-                 rf"\hat Q &= {aT}\, (I_{{{p}}} - Q + {D}{I})^{{-1}}, \qquad Q = \hat Q (I_{{{p}}} + \hat Q)^{{-1}}",
-                 rf"\Psi_{{\rm out}}(Q) &= -\tfrac{{{T}}}{{2}} \log\det\big(2\pi e\, (I_{{{p}}} - Q + {D}{I})\big)"]
-    lines.append(rf"q^* &= \frac{{b - \sqrt{{b^2 - 4 \cdot {aT}}}}}{{2}}, \qquad b = 1 + {D} + {aT}")
-    text = (f"The Gaussian channel (theory \\S9): per token the denoiser is linear and the state evolution is "
-            f"closed; the fixed point{'' if scalar else ' (isotropic, $Q = q^* I_{' + str(p) + '}$)'} is the root in "
-            f"$[0, 1]$ of $q^2 - (1 + {D} + {aT})\\, q + {aT} = 0$:")
-    return text + "\n" + align(lines) + (
-        f"The error $1 - q^*$ is positive at every $\\alpha$ for ${D} > 0$; at ${D} = 0$, $q^* = \\min({aT}, 1)$: "
-        f"it vanishes linearly at $\\alpha = {_frac(sp.Rational(1, T))}$ (the counting threshold $p/m$ of the "
-        f"noiseless link).")
+                 rf"\hat Q &= {aT}\, (I_{{{p}}} - Q{pD}{I})^{{-1}}, \qquad Q = \hat Q (I_{{{p}}} + \hat Q)^{{-1}}",
+                 rf"\Psi_{{\rm out}}(Q) &= -{_half(T)} \log\det\big(2\pi e\, (I_{{{p}}} - Q{pD}{I})\big)"]
+    iso = "" if scalar else f" (isotropic, $Q = q^* I_{{{p}}}$)"
+    if noise(d) == 0:
+        lines.append(rf"q^* &= \min({aT}, 1)")
+        text = (f"The noiseless linear channel (theory \\S9, $\\Delta = 0$): per token the denoiser is linear and the "
+                f"state evolution is closed; the fixed point{iso} solves $(q - 1)(q - {aT}) = 0$ in $[0, 1]$:")
+        tail = (f"The error $1 - q^*$ vanishes linearly at $\\alpha = {_frac(sp.Rational(1, T))}$, the counting "
+                f"threshold $p/m$.")
+    else:
+        lines.append(rf"q^* &= \frac{{b - \sqrt{{b^2 - 4 \cdot {aT}}}}}{{2}}, \qquad b = 1 + {D} + {aT}")
+        text = (f"The Gaussian channel (theory \\S9): per token the denoiser is linear and the state evolution is "
+                f"closed; the fixed point{iso} is the root in $[0, 1]$ of $q^2 - (1 + {D} + {aT})\\, q + {aT} = 0$:")
+        tail = (f"The error $1 - q^*$ is positive at every $\\alpha$ for ${_noise_positive(d)}$; at "
+                f"${_noise_name(d)} = 0$, "
+                f"$q^* = \\min({aT}, 1)$: it vanishes linearly at $\\alpha = {_frac(sp.Rational(1, T))}$ (the "
+                f"counting threshold $p/m$ of the noiseless link).")
+    return text + "\n" + align(lines) + tail
 
 
 def _phase_retrieval(d: Derivation) -> str:
@@ -600,9 +634,11 @@ def _product(d: Derivation) -> str:
 
 
 def _published(d: Derivation) -> str:
-    skip = sp.latex(param_symbol(d.spec.layers[0].skip))
+    c = param_symbol(d.spec.layers[0].skip)
+    skip = sp.latex(c) if c.is_Symbol else "c"
+    this = "" if c.is_Symbol else f" (this model: $c = {sp.latex(c)}$)"
     return (f"The published two-layer model ($T = 2$, tied, softmax, $\\beta = 1$; theory \\S5 and \\S9), "
-            f"as functions of the skip ${skip}$. The operator at $Q = 0$ is diagonal, "
+            f"as functions of the skip ${skip}${this}. The operator at $Q = 0$ is diagonal, "
             f"$\\alpha_c = 1/B_{{22}}$ with $B_{{22}} = \\mathbb E\\sum_{{t,s}} (G_{{ts}})_{{22}}^2 \\le 6$: the last "
             f"layer $z_{{2}}$ is learned first, and $\\alpha_c \\to 1/6$ as ${skip} \\to \\infty$ (the last layer "
             f"alone, its index then revealed up to sign). Independent computations give "
