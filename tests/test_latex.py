@@ -387,3 +387,15 @@ def test_published_values_name_a_numeric_skip():
     d = derive(S.make_attention(tokens=2, layers=2, skip=2.0))
     text = LT.closed_form_section(d)
     assert "(this model: $c = 2$)" in text and r"\alpha_c(c = 1)" in text
+
+
+@pytest.mark.parametrize("name, params", [("glm_phase_retrieval", {}), ("attention_L1_T2", {"beta": 1.0})])
+def test_printed_exact_alpha_c_is_what_the_threshold_code_computes(name, params):
+    """The alpha_c the document states for a two-point posterior against aimsym.smi.thresholds
+    (the operator at Q = 0 from the generated denoiser)."""
+    from aimsym.smi import thresholds
+
+    weak = _sections(_document(name))["Weak recovery"]
+    printed = 1 / int(re.search(r"\$\\alpha_c = 1/(\d+)\$ exactly", weak).group(1))
+    r = thresholds.initial_threshold(aimsym.load(derivations_dir() / f"{name}.toml", **params), samples=1 << 12, seed=0)
+    assert abs(r.alpha - printed) < 4 * r.stderr + 1e-3
