@@ -6,6 +6,10 @@ import sys
 from pathlib import Path
 
 
+# the names of aimsym.derive.latex.PARTS (kept here: the CLI starts without importing SymPy)
+LATEX_PARTS = ("model", "link", "reduction", "jacobian", "state-evolution", "free-entropy", "operator")
+
+
 def register(sub) -> None:
     p = sub.add_parser("derive", help="derive the SMI form of a model (link, symmetries, reduction)")
     p.add_argument("model", help="a TOML file (e.g. derivations/attention_L2_T2.toml)")
@@ -13,8 +17,8 @@ def register(sub) -> None:
     p.add_argument("--latex", metavar="FILE", help="write a self-contained LaTeX document")
     p.add_argument("--no-appendix", action="store_true",
                    help="leave the appendix (program, Jacobian, reduction entries) out of the document")
-    p.add_argument("--latex-part", metavar="PART", choices=("model", "link", "reduction", "jacobian"),
-                   help="write one align block for pasting (model, link, reduction, jacobian) "
+    p.add_argument("--latex-part", metavar="PART", choices=LATEX_PARTS,
+                   help="write one align block for pasting (" + ", ".join(LATEX_PARTS) + ") "
                         "instead of the document: to --latex FILE, else to stdout")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.add_argument("--check", action="store_true",

@@ -3,12 +3,16 @@
 The document opens with a front section in the paper's notation: the model as matrix formulas
 per layer, its SMI form y = g(Z), the sign symmetries of g and the exact reduction of the
 denoiser (inverse output map, solved block, reduced integral). One index convention throughout:
-rows of Z (indices) and tokens are numbered from 1. The appendix (left out with
+rows of Z (indices) and tokens are numbered from 1. Then (left out with ``theory=False``) the
+model's learning theory: state evolution, free entropy, weak-recovery operator, counting threshold
+and perfect recovery, closed forms. The appendix (left out with
 ``appendix=False``) has the straight-line program the code runs, the Jacobian and the reduction
 entry by entry, all printed from the SymPy objects of :mod:`aimsym.derive.symbolic`, the same ones the
 code generator turns into kernels.
 
-:func:`part` returns one ``align`` block (model, link, reduction, jacobian) for pasting.
+:func:`part` returns one ``align`` block (model, link, reduction, jacobian, state-evolution,
+free-entropy, operator) for pasting. The sections on the state evolution, free entropy, weak and
+perfect recovery and closed forms come from :mod:`aimsym.derive.latex_theory`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,12 @@ import re
 
 import sympy as sp
 
+from .latexutil import align as _align
+from .latexutil import block_name as _block_name
 from .latexutil import broken_lines, latex_program, tex_width, z_name
+from .latexutil import esc as _esc
+from .latexutil import index_blocks as _blocks
+from .latex_theory import free_entropy_lines, operator_lines, se_lines, theory_sections
 from .spec import AttentionSpec
 from .symbolic import Derivation, Program
 from .symbolic import param_symbol as _param
@@ -42,15 +51,6 @@ _PREAMBLE = r"""\documentclass[11pt]{article}
 # ~500 pt (letter paper, 2 cm margins); appendix lines are printed \small
 _WIDTH = 80
 _WIDTH_SMALL = 88
-
-_TEX_SPECIAL = {"\\": r"\textbackslash{}", "_": r"\_", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
-                "{": r"\{", "}": r"\}", "^": r"\textasciicircum{}", "~": r"\textasciitilde{}"}
-
-
-def _esc(text: str) -> str:
-    """Plain text made safe for LaTeX."""
-    return "".join(_TEX_SPECIAL.get(ch, ch) for ch in text)
-
 
 # The derivation's reasons and notes are plain text written for the terminal; these patterns
 # turn their formula fragments into mathematics (anything else is escaped as text).
@@ -84,14 +84,6 @@ def _prose(text: str) -> str:
     return "".join(out)
 
 
-def _align(lines: list[str], star: bool = True, small: bool = False) -> str:
-    if not lines:
-        return ""
-    env = "align*" if star else "align"
-    body = f"\\begin{{{env}}}\n" + " \\\\\n".join(lines) + f"\n\\end{{{env}}}\n"
-    return "{\\small\n" + body + "}\n" if small else body
-
-
 def _tex(v) -> str:
     return sp.latex(param_symbol(v))
 
@@ -117,34 +109,6 @@ def _activation(act: str, beta, inner: str) -> str:
     if act == "linear":
         return _times(beta) + inner
     return rf"\operatorname{{{act}}}\big({_times(beta)}{inner}\big)"
-
-
-# ----------------------------------------------------------------------------- blocks of Z
-
-
-def _block_name(spec: AttentionSpec, layer: int, head: int, role: str) -> str:
-    """Index block of one weight matrix: z_l, z_l^{(j)} (head j), z_l^Q, z_l^{K(j)} (untied).
-
-    Heads and roles go upstairs: a subscript pair z_{k,t} is an entry of Z (row k, token t)."""
-    H = spec.layers[layer - 1].heads
-    sup = ("" if role == "w" else role.upper()) + ("" if H == 1 else f"({head + 1})")
-    return f"z_{{{layer}}}" + (f"^{{{sup}}}" if sup else "")
-
-
-def _blocks(d: Derivation) -> list[tuple[str, list[int]]]:
-    """(name, rows of Z) for each index block, in row order; for free-form links one per row."""
-    if not isinstance(d.spec, AttentionSpec):
-        return [(_row_name(d, k), [k]) for k in range(d.p)]
-    out: dict[tuple, list[int]] = {}
-    for k, lb in enumerate(d.labels):
-        out.setdefault((lb.layer, lb.head, lb.role), []).append(k)
-    return [(_block_name(d.spec, *key), rows) for key, rows in out.items()]
-
-
-def _row_name(d: Derivation, k: int) -> str:
-    if d.tokens == 1:
-        return z_name(k, 0, d.p, 1)
-    return f"z_{{{k + 1},\\cdot}}"
 
 
 # ----------------------------------------------------------------------------- front: the model
@@ -807,10 +771,14 @@ def front(d: Derivation) -> str:
     return "\n".join([model_section(d), smi_section(d), symmetry_section(d), reduction_section(d)])
 
 
-def document(d: Derivation, appendix: bool = True) -> str:
-    """The self-contained LaTeX document: front section, then (unless ``appendix=False``) the
-    program, the Jacobian and the reduction entry by entry."""
+def document(d: Derivation, appendix: bool = True, theory: bool = True) -> str:
+    """The self-contained LaTeX document: front section, then (unless ``theory=False``) the
+    model's state evolution, free entropy, weak-recovery operator, counting threshold and closed
+    forms (:mod:`aimsym.derive.latex_theory`), then (unless ``appendix=False``) the program, the
+    Jacobian and the reduction entry by entry."""
     parts = [_PREAMBLE, _title(d), front(d)]
+    if theory:
+        parts.append(theory_sections(d))
     if appendix:
         parts.append(appendix_section(d))
     parts.append("\\end{document}\n")
@@ -822,11 +790,15 @@ PARTS = {
     "link": link_program_lines,
     "reduction": reduction_lines,
     "jacobian": jacobian_lines,
+    "state-evolution": se_lines,
+    "free-entropy": free_entropy_lines,
+    "operator": operator_lines,
 }
 
 
 def part(d: Derivation, name: str) -> str:
-    """One numbered ``align`` block for pasting: ``model``, ``link``, ``reduction``, ``jacobian``.
+    """One numbered ``align`` block for pasting: ``model``, ``link``, ``reduction``, ``jacobian``,
+    ``state-evolution``, ``free-entropy``, ``operator`` (the weak-recovery operator at Q = 0).
 
     Continuation lines of a broken formula carry ``\\nonumber``."""
     from ..errors import SpecError

@@ -12,6 +12,8 @@ import re
 
 import sympy as sp
 
+from .spec import AttentionSpec
+
 _Z = re.compile(r"^z_(\d+)_(\d+)$")
 
 
@@ -234,3 +236,50 @@ def broken_lines(lhs: str, e: sp.Expr, names: dict, width: float) -> list[str]:
     lines.append(cur + suffix)
     first = f"{lhs} &= {lines[0]}"
     return [first] + [rf"&\quad {ln}" for ln in lines[1:]]
+
+
+# ----------------------------------------------------------------------------- document pieces
+
+_TEX_SPECIAL = {"\\": r"\textbackslash{}", "_": r"\_", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
+                "{": r"\{", "}": r"\}", "^": r"\textasciicircum{}", "~": r"\textasciitilde{}"}
+
+
+def esc(text: str) -> str:
+    """Plain text made safe for LaTeX."""
+    return "".join(_TEX_SPECIAL.get(ch, ch) for ch in text)
+
+
+def align(lines: list[str], star: bool = True, small: bool = False) -> str:
+    """Aligned formulas (``align*``, or numbered ``align``); ``small``: printed \\small."""
+    if not lines:
+        return ""
+    env = "align*" if star else "align"
+    body = f"\\begin{{{env}}}\n" + " \\\\\n".join(lines) + f"\n\\end{{{env}}}\n"
+    return "{\\small\n" + body + "}\n" if small else body
+
+
+def block_name(spec: AttentionSpec, layer: int, head: int, role: str) -> str:
+    """Index block of one weight matrix: z_l, z_l^{(j)} (head j), z_l^Q, z_l^{K(j)} (untied).
+
+    Heads and roles go upstairs: a subscript pair z_{k,t} is an entry of Z (row k, token t)."""
+    H = spec.layers[layer - 1].heads
+    sup = ("" if role == "w" else role.upper()) + ("" if H == 1 else f"({head + 1})")
+    return f"z_{{{layer}}}" + (f"^{{{sup}}}" if sup else "")
+
+
+def index_blocks(d) -> list[tuple[str, list[int]]]:
+    """(name, rows of Z) for each index block of a derivation, in row order; for free-form links
+    one per row."""
+    if not isinstance(d.spec, AttentionSpec):
+        return [(row_name(d, k), [k]) for k in range(d.p)]
+    out: dict[tuple, list[int]] = {}
+    for k, lb in enumerate(d.labels):
+        out.setdefault((lb.layer, lb.head, lb.role), []).append(k)
+    return [(block_name(d.spec, *key), rows) for key, rows in out.items()]
+
+
+def row_name(d, k: int) -> str:
+    """Row k (0-based) of Z of a free-form link: z_{k+1} (one token) or z_{k+1,.}."""
+    if d.tokens == 1:
+        return z_name(k, 0, d.p, 1)
+    return f"z_{{{k + 1},\\cdot}}"
