@@ -332,7 +332,12 @@ def _printed_json(text: str) -> list:
     out = []
     for line in text.splitlines():
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
+            if isinstance(rec, dict):  # (the figure function's own file is a temporary one)
+                rec.pop("figure", None)
+                rec.pop("bytes", None)
+            if rec:
+                out.append(rec)
         except ValueError:
             if line.strip():
                 out.append(line)

@@ -154,7 +154,11 @@ def _check_aim_many_tokens(rows, rec):
         r = _inner(_series(rows, f"SE, T = {T}", "line"))
         assert se.solve(r["x"], 0.5, T).mmse == pytest.approx(r["y"], rel=1e-6, abs=1e-9)
         amp = _series(rows, f"AMP T = {T}, d = 40", "errorbar")
-        assert len(amp) == 2 and all(p["y"] > 0 for p in amp)
+        assert len(amp) == 2
+        for p in amp:
+            assert abs(p["y"] - se.solve(p["x"], 0.5, T).mmse) < 0.5 * p["y"] + 3 * p["yerr"]
+        tick = _series(rows, f"SE, T = {T}", "vline")[0]["x"]
+        assert tick == pytest.approx(se.perfect_recovery_counting(0.5, T))
     assert {x["tokens"] for x in rec["printed"][0]["data"]["amp"]} == {4, 5}
 
 
@@ -193,7 +197,7 @@ def _check_phase_diagram(rows, rec):
 def _check_gamp(rows, rec):
     amp2 = _series(rows, "AMP layer 2 (d=300, 2 seeds)", "errorbar")
     se2 = _series(rows, "SE layer 2", "line")
-    assert len(amp2) == rec["settings"]["iters"] and np.all(np.isfinite([r["y"] for r in se2]))
+    assert len(amp2) == rec["settings"]["iters"] + 1 and np.all(np.isfinite([r["y"] for r in se2]))
     # GAMP tracks the SE: the learned second layer's final overlap within 0.1 of the SE's
     assert abs(amp2[-1]["y"] - se2[-1]["y"]) < 0.1 + 3 * amp2[-1]["yerr"]
     assert rec["summary"]["L2_T2_final_M"][1] == pytest.approx(amp2[-1]["y"])

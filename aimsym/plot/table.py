@@ -57,13 +57,11 @@ def axes_rows(ax, panel: int) -> list[dict]:
 
     rows: list[dict] = []
     seen = set()
-    names: dict = {}
+    names: dict = {}  # colour -> label
 
     def add(series, kind, x, y, yerr=None, colour=None):
         x, y = _floats(x), _floats(y)
         e = np.full(len(x), np.nan) if yerr is None else _floats(yerr)
-        if _labelled(series) and colour is not None:
-            names.setdefault(colour, series)
         for xi, yi, ei in zip(x, y, e):
             rows.append({"panel": panel, "series": series, "kind": kind, "x": xi, "y": yi, "yerr": ei,
                          "_colour": colour})
@@ -93,7 +91,11 @@ def axes_rows(ax, panel: int) -> list[dict]:
             add(line.get_label(), "hline", [np.nan], y[:1], colour=_colour(line))
         else:
             add(line.get_label(), "line" if _has_line(line) else "points", x, y, colour=_colour(line))
-    for r in rows:  # unlabelled artists: the label of the same-coloured labelled one, if any
+    # unlabelled artists: the label of the same-coloured labelled curve (else marker series), if any
+    for r in sorted(rows, key=lambda r: r["kind"] != "line"):
+        if _labelled(r["series"]) and r["_colour"] is not None:
+            names.setdefault(r["_colour"], r["series"])
+    for r in rows:
         if not _labelled(r["series"]):
             r["series"] = names.get(r["_colour"], "")
         del r["_colour"]
