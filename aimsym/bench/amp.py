@@ -273,7 +273,13 @@ def iterations_figure(model, outdir, *, d=1000, seeds=4, iters=40, alpha=1.2, la
 
     from aimsym.smi.amp import run_amp
 
-    res = run_amp(model, d=d, alpha=alpha, seeds=seeds, seed=1, lam=lam, max_iter=iters, tol=0.0, progress=True)
+    import warnings
+
+    from aimsym.errors import ConvergenceWarning
+
+    with warnings.catch_warnings():  # (tol = 0: a fixed number of iterations, by design)
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        res = run_amp(model, d=d, alpha=alpha, seeds=seeds, seed=1, lam=lam, max_iter=iters, tol=0.0, progress=True)
     se = se_trajectory(model, alpha, lam, iters, samples=se_samples)
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
     t = np.arange(len(res.overlaps["M"]))
