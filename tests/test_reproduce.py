@@ -222,6 +222,9 @@ def _check_erm_theory(label, figure):
         fp = fixed_point(ERMParams(**kw), r["x"], ACC)
         want = fp.rank if figure == "rank" else fp.test
         assert want == pytest.approx(r["y"], rel=1e-3)
+        if figure == "lam":  # the dotted train-error curve
+            t = [p for p in _series(rows, f"{label} train (theory)", "line") if p["x"] == r["x"]]
+            assert len(t) == 1 and fp.train == pytest.approx(t[0]["y"], rel=1e-3)
     return check
 
 

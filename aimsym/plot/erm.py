@@ -82,7 +82,7 @@ def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, qu
             if th is not None:
                 _line(ax, th[:, 0], th[:, col], th[:, 4], "-", color=color, label=f"{label} (theory)")
                 if figure == "lam":
-                    _line(ax, th[:, 0], th[:, 2], th[:, 4], ":", color=color, lw=1)
+                    _line(ax, th[:, 0], th[:, 2], th[:, 4], ":", color=color, lw=1, label=f"{label} train (theory)")
             pts = _adam(p, adam_alphas, d, seeds)
             if figure == "rank":
                 ax.plot(pts[:, 0], pts[:, 3], "o", color=color, label=f"Adam d={d}")
@@ -128,6 +128,7 @@ def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, qu
             ax.set_title(f"alpha={a}: peak {sp['delta_peak']:.2f} (Adam "
                          f"{np.mean(np.abs(ev) < 1e-2 * np.abs(ev).max()):.2f}), KS {ks:.2f}", fontsize=8)
             ax.set_xlabel("eigenvalue of S")
+            ax.set_ylabel("density (non-zero part)")
         axes[0].legend(fontsize=7)
     else:
         raise ValueError(figure)
