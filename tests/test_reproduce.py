@@ -228,9 +228,24 @@ def _check_erm_theory(label, figure):
     return check
 
 
-def _check_erm_finite(rows, rec):
-    kinds = {r["kind"] for r in rows}
-    assert kinds & {"line", "bar"}
+def _check_erm_spectra(rows, rec):
+    """Four panels, each with the theory density (>= 0) and a histogram of Adam's eigenvalues."""
+    for panel in range(4):
+        theory = [r for r in rows if r["panel"] == panel and r["series"] == "theory"]
+        bars = [r for r in rows if r["panel"] == panel and r["kind"] == "bar"]
+        assert theory and min(r["y"] for r in theory) >= 0
+        assert bars and all(r["series"].startswith("Adam d=") for r in bars)
+
+
+def _check_erm_beta_T(rows, rec):
+    from aimsym.erm.params import ERMParams
+    from aimsym.erm.se import fixed_point
+    from aimsym.plot.erm import ACC
+
+    r = _inner(_series(rows, "T=2, beta=beta0=1", "line"), 0.0, 10.0)
+    p = ERMParams(kappa0=0.5, Delta=0.5, lam=0.01, tokens=2)
+    alpha = r["x"] / 2  # x is alpha_bar = alpha (T^2 + T - 2) / 2 = 2 alpha at T = 2
+    assert fixed_point(p, alpha, ACC).test == pytest.approx(r["y"], rel=1e-3)
 
 
 CHECKS = {
@@ -248,8 +263,8 @@ CHECKS = {
     "erm-errors": _check_erm_theory("lam=0.01", "lam"),
     "erm-models": _check_erm_theory("direct (ridge)", "models"),
     "erm-rank": _check_erm_theory("lam=0.01", "rank"),
-    "erm-spectra": _check_erm_finite,
-    "erm-beta-T": _check_erm_finite,
+    "erm-spectra": _check_erm_spectra,
+    "erm-beta-T": _check_erm_beta_T,
     "erm-seq": _check_erm_theory("seq-to-label", "seq"),
 }
 
@@ -290,3 +305,33 @@ def test_out_on_a_file_is_one_line(tmp_path, capsys):
     assert main(["reproduce", "aim-fig2-left", "--out", str(f)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--out" in err[0]
+
+
+def test_figure_rows_read_what_is_drawn():
+    """The CSV reader of a figure: curves, error bars (half-length), vertical/horizontal lines,
+    histogram bars, and an unlabelled tick named after the same-coloured curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from aimsym.plot.table import figure_axes, figure_rows
+
+    fig, (a, b) = plt.subplots(1, 2)
+    a.plot([0, 1], [2, 3], color="C0", label="curve")
+    a.axvline(0.5, ymax=0.1, color="C0")
+    a.errorbar([1, 2], [3, 4], yerr=[0.1, 0.3], fmt="o", capsize=2, color="C1", label="points")
+    a.axhline(1 / 6, color="k", label="bound")
+    b.hist([0.1, 0.2, 0.2, 0.9], bins=2, label="hist")
+    b.set_xlabel("eigenvalue")
+    rows = figure_rows(fig)
+    by = {(r["panel"], r["series"], r["kind"]): r for r in rows}
+    assert by[(0, "curve", "vline")]["x"] == 0.5 and math.isnan(by[(0, "curve", "vline")]["y"])
+    assert by[(0, "bound", "hline")]["y"] == pytest.approx(1 / 6)
+    err = [r for r in rows if r["kind"] == "errorbar"]
+    assert [(r["x"], r["y"]) for r in err] == [(1, 3), (2, 4)] and [r["yerr"] for r in err] == pytest.approx([0.1, 0.3])
+    bars = [r for r in rows if r["kind"] == "bar"]
+    assert len(bars) == 2 and sum(r["y"] for r in bars) == 4 and all(r["series"] == "hist" for r in bars)
+    assert len(rows) == 2 + 1 + 2 + 1 + 2  # caps are not points
+    assert figure_axes(fig)[1]["xlabel"] == "eigenvalue"
+    plt.close(fig)

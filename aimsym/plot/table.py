@@ -77,7 +77,10 @@ def axes_rows(ax, panel: int) -> list[dict]:
         elif isinstance(c, BarContainer):
             for p in c.patches:
                 seen.add(id(p))
-            add(c.get_label(), "bar", [p.get_x() + p.get_width() / 2 for p in c.patches],
+            label = c.get_label()  # (a histogram labels its first patch, not the container)
+            if not _labelled(label) and c.patches:
+                label = c.patches[0].get_label()
+            add(label, "bar", [p.get_x() + p.get_width() / 2 for p in c.patches],
                 [p.get_height() for p in c.patches], colour=_colour(c.patches[0]) if c.patches else None)
     vertical, horizontal = ax.get_xaxis_transform(which="grid"), ax.get_yaxis_transform(which="grid")
     for line in ax.lines:
