@@ -26,7 +26,8 @@ ORDER = (
     ("aimsym.erm",),      # ERM in tied attention (uses aim's spectral tools)
     ("aimsym.studies",),  # sweeps, the result store, AIM finite-size series
     ("aimsym.plot",),     # figures
-    ("aimsym.bench",),    # benchmarks
+    ("aimsym.bench",),    # benchmarks (and the figure code of docs/amp.md)
+    ("aimsym.reproduce",),  # the papers' figures: a registry over plot, bench and the solvers
     ("aimsym.cli",),      # every command-line verb
 )
 FACADE = "aimsym"

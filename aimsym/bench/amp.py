@@ -69,11 +69,11 @@ def main(argv=None) -> int:
 FIGURES = ("iterations", "gd", "gaussian", "alpha", "glm_alpha")
 
 
-def _se_trajectory(model, alpha, lam, iters, seed=0):
+def se_trajectory(model, alpha, lam, iters, seed=0, samples=4096):
     """SE iterated step by step from Q = 0 with side information lam (aimsym.smi.se's sampled map)."""
     from aimsym.smi.se import make_channel, q_from_q_hat, se_map, side_matrix
 
-    ch = make_channel(model, samples=4096, replicas=8, seed=seed)
+    ch = make_channel(model, samples=samples, replicas=8, seed=seed)
     Lam = side_matrix(model.p, lam)
     Q = np.zeros((model.p, model.p))
     out = [Q]
@@ -157,33 +157,16 @@ def figures(outdir, model_path, only=FIGURES) -> int:
 
     from aimsym.model import load
     from aimsym.smi.amp import run_amp
-    from aimsym.smi.gd import run_gd
 
     os.makedirs(outdir, exist_ok=True)
     model = load(model_path, skip=1.0)
     here = os.path.dirname(model_path)
     summary = {}
     if "iterations" in only:
-        alpha, lam, iters = 1.2, 1e-2, 40
-        res = run_amp(model, d=1000, alpha=alpha, seeds=4, seed=1, lam=lam, max_iter=iters, tol=0.0)
-        se = _se_trajectory(model, alpha, lam, iters)
-        fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
-        t = np.arange(len(res.overlaps["M"]))
-        for k, c in zip(range(model.p), ("C0", "C3")):
-            ax.errorbar(t + 1, res.overlaps["M"][:, k, k], yerr=res.overlaps["M_stderr"][:, k, k], fmt="o",
-                        ms=3, color=c, label=f"AMP layer {k + 1} (d=1000, 4 seeds)")
-            ax.plot(np.arange(len(se)) + 1, se[:, k, k], "-", color=c, lw=1, label=f"SE layer {k + 1}")
-        ax.set(xscale="log", xlabel="iteration + 1", ylabel="overlap M_ll", ylim=(-0.05, 1.1),
-               title=f"GAMP vs SE, two-layer T=2 softmax, skip 1, alpha={alpha}, lambda={lam}")
-        ax.title.set_fontsize(8)
-        ax.legend(fontsize=7)
-        _save(fig, os.path.join(outdir, "amp_L2_T2_iterations.png"))
-        summary["iterations"] = {"L2_T2_final_M": np.diag(res.final["M"]).tolist(),
-                                 "L2_T2_final_M_stderr": np.diag(res.final["M_stderr"]).tolist(),
-                                 "SE_final_Q": np.diag(se[-1]).tolist()}
+        summary["iterations"] = iterations_figure(model, outdir)
 
     if "gd" in only:
-        summary["gd"] = _gd_figure(model, outdir)
+        summary["gd"] = gd_figure(model, outdir)
 
     if "gaussian" in only:
         # Gaussian channel per iteration: closed-form SE (the same recursion as tests/test_amp_se.py)
@@ -280,22 +263,60 @@ def figures(outdir, model_path, only=FIGURES) -> int:
     return 0
 
 
-def _gd_figure(model, outdir):
+def iterations_figure(model, outdir, *, d=1000, seeds=4, iters=40, alpha=1.2, lam=1e-2, se_samples=4096):
+    """GAMP per-layer overlaps per iteration (mean ± s.e. over ``seeds``) on the SE iterated step by
+    step from Q = 0 with the same side information ``lam`` (amp_L2_T2_iterations.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from aimsym.smi.amp import run_amp
+
+    import warnings
+
+    from aimsym.errors import ConvergenceWarning
+
+    with warnings.catch_warnings():  # (tol = 0: a fixed number of iterations, by design)
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        res = run_amp(model, d=d, alpha=alpha, seeds=seeds, seed=1, lam=lam, max_iter=iters, tol=0.0, progress=True)
+    se = se_trajectory(model, alpha, lam, iters, samples=se_samples)
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
+    t = np.arange(len(res.overlaps["M"]))
+    for k, c in zip(range(model.p), ("C0", "C3")):
+        ax.errorbar(t + 1, res.overlaps["M"][:, k, k], yerr=res.overlaps["M_stderr"][:, k, k], fmt="o",
+                    ms=3, color=c, label=f"AMP layer {k + 1} (d={d}, {seeds} seeds)")
+        ax.plot(np.arange(len(se)) + 1, se[:, k, k], "-", color=c, lw=1, label=f"SE layer {k + 1}")
+    ax.set(xscale="log", xlabel="iteration + 1", ylabel="overlap M_ll", ylim=(-0.05, 1.1),
+           title=f"GAMP vs SE, two-layer T=2 softmax, skip 1, alpha={alpha}, lambda={lam}")
+    ax.title.set_fontsize(8)
+    ax.legend(fontsize=7)
+    _save(fig, os.path.join(outdir, "amp_L2_T2_iterations.png"))
+    return {"L2_T2_final_M": np.diag(res.final["M"]).tolist(),
+            "L2_T2_final_M_stderr": np.diag(res.final["M_stderr"]).tolist(),
+            "SE_final_Q": np.diag(se[-1]).tolist(), "settings": res.settings}
+
+
+def gd_figure(model, outdir, *, d=200, seeds=3, epochs=1000, alphas=(16, 8)):
     """Adam per-layer overlaps vs epoch at d = 200: alpha = 16 (both layers learned, last layer first)
     and alpha = 8 (dashed: the last layer is learned, the first stalls near 0.55)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from aimsym.smi.gd import run_gd
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
     out = {}
-    for alpha, style in ((16, "o-"), (8, "--")):
-        g = run_gd(model, d=200, alpha=alpha, seeds=3, seed=1, optimizer="adam", lr=0.03, epochs=1000)
+    for alpha, style in zip(alphas, ("o-", "--", ":", "-.")):
+        g = run_gd(model, d=d, alpha=alpha, seeds=seeds, seed=1, optimizer="adam", lr=0.03, epochs=epochs,
+                   progress=True)
         e = np.asarray(g.epochs_logged)
         ov, se = g.overlaps["layer"], g.overlaps["layer_stderr"]
         for k, c in zip(range(ov.shape[1]), ("C0", "C3")):
             ax.errorbar(e + 1, ov[:, k], yerr=se[:, k], fmt=style, ms=2.5, lw=1, color=c,
-                        alpha=1.0 if alpha == 16 else 0.6, label=f"layer {k + 1}, alpha={alpha}")
+                        alpha=1.0 if alpha == alphas[0] else 0.6, label=f"layer {k + 1}, alpha={alpha}")
 
         def first(k, th, ov=ov, e=e):
             j = int(np.argmax(ov[:, k] > th))
@@ -307,7 +328,7 @@ def _gd_figure(model, outdir):
                                  "first_epoch_mean_overlap_above_0.9": [first(k, 0.9) for k in range(ov.shape[1])]}
         print(json.dumps({"gd": out[f"alpha_{alpha}"], "alpha": alpha}), flush=True)
     ax.set(xscale="log", xlabel="epoch + 1", ylabel="|cosine overlap| per layer", ylim=(-0.05, 1.05),
-           title="Adam (lr 0.03, full batch), two-layer T=2 softmax, skip 1, d=200, 3 seeds (mean ± s.e.)")
+           title=f"Adam (lr 0.03, full batch), two-layer T=2 softmax, skip 1, d={d}, {seeds} seeds (mean ± s.e.)")
     ax.title.set_fontsize(8)
     ax.legend(fontsize=7)
     _save(fig, os.path.join(outdir, "amp_gd_L2_T2_epochs.png"))

@@ -25,6 +25,7 @@ _COMMAND_MODULES = (
     "aimsym.cli.amp",
     "aimsym.cli.aim",
     "aimsym.cli.erm",
+    "aimsym.cli.reproduce",
 )
 
 

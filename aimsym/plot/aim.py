@@ -22,6 +22,13 @@ def _plt():
     return plt
 
 
+def _steps(items, desc):
+    """Progress over the points of a figure (tqdm on stderr)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(list(items), desc=desc, unit="pt", leave=False)
+
+
 def _save(fig, out, name, meta):
     path = os.path.join(out, f"aim_{name}.png")
     fig.tight_layout()
@@ -31,8 +38,9 @@ def _save(fig, out, name, meta):
     return path
 
 
-def fig_softmax(out):
-    """Softmax T = 2: mmse vs alpha for several rho, counting thresholds as ticks."""
+def fig_softmax(out, activation="softmax"):
+    """Softmax (or the linear-output baseline) T = 2: mmse vs alpha for several rho, counting
+    thresholds as ticks."""
     from ..aim import se
 
     plt = _plt()
@@ -40,8 +48,8 @@ def fig_softmax(out):
     meta = {}
     for rho in (0.1, 0.25, 0.5, 0.75, 1.0, 2.0):
         Delta = np.geomspace(1e-7, 1e3, 300)
-        alpha, m = se.softmax_parametric(Delta, rho)
-        a_pr = se.perfect_recovery_counting(rho)
+        alpha, m = se.softmax_parametric(Delta, rho, 2, activation)
+        a_pr = se.perfect_recovery_counting(rho, 2, activation)
         alpha = np.concatenate([[a_pr, 0.3], alpha])
         m = np.concatenate([[0.0, 0.0], m])
         order = np.argsort(alpha)
@@ -51,14 +59,15 @@ def fig_softmax(out):
     ax.set_xlim(0, 0.3)
     ax.set_xlabel("alpha = n / d^2")
     ax.set_ylabel("Bayes-optimal mmse (Q0 - q)")
-    ax.set_title("AIM, softmax, T = 2 (any beta): ticks = counting thresholds", fontsize=8)
+    ax.set_title(f"AIM, {activation}" + (" (any beta)" if activation == "softmax" else " output")
+                 + ", T = 2: ticks = counting thresholds", fontsize=8)
     ax.legend(fontsize=7)
-    return _save(fig, out, "softmax", meta)
+    return _save(fig, out, activation, meta)
 
 
-def fig_tokens(out, d=100, n_seeds=4, with_points=True):
+def fig_tokens(out, d=100, n_seeds=4, with_points=True, points=(0.04, 0.08, 0.12, 0.16), gd_steps=1500):
     """mmse vs alpha (T^2 + T - 2) / 4 for T = 2, 3, 4 at rho = 0.5 (curves coincide), with AMP,
-    GD and averaged GD (AGD) points for T = 2."""
+    GD and averaged GD (AGD) points for T = 2 at alpha in ``points``."""
     from ..aim import se
 
     plt = _plt()
@@ -75,13 +84,13 @@ def fig_tokens(out, d=100, n_seeds=4, with_points=True):
         from ..aim import amp, gd
 
         seeds = list(range(n_seeds))
-        pts = [0.04, 0.08, 0.12, 0.16]
-        a_res = [amp.run_many(a, rho, d, 2, "softmax", seeds=seeds, iterations=100) for a in pts]
+        pts = list(points)
+        a_res = [amp.run_many(a, rho, d, 2, "softmax", seeds=seeds, iterations=100) for a in _steps(pts, "AMP")]
         ax.errorbar(pts, [r.mmse for r in a_res], yerr=[r.mmse_sem or 0 for r in a_res], fmt="o",
                     ms=4, label=f"AMP d={d}")
         d_gd = min(d, 60)
-        g_res = [gd.run_many(a, rho, d_gd, 2, "softmax", seeds=seeds[:2], steps=1500, lr=0.01, runs=3)
-                 for a in pts]
+        g_res = [gd.run_many(a, rho, d_gd, 2, "softmax", seeds=seeds[:2], steps=gd_steps, lr=0.01, runs=3)
+                 for a in _steps(pts, "GD")]
         ax.errorbar(pts, [r.mmse_gd for r in g_res], yerr=[r.mmse_gd_sem or 0 for r in g_res],
                     fmt="s", ms=4, label=f"GD d={d_gd}")
         ax.errorbar(pts, [r.mmse_agd for r in g_res], yerr=[r.mmse_agd_sem or 0 for r in g_res],
@@ -97,56 +106,94 @@ def fig_tokens(out, d=100, n_seeds=4, with_points=True):
     return _save(fig, out, "tokens", meta)
 
 
-def fig_hardmax(out, d=80, n_seeds=3, with_points=True):
-    """Hardmax T = 2, log-log: power-law decay mmse ~ alpha^-2, with AMP points; T = 3 at rho = 0.5."""
+def fig_many_tokens(out, tokens=(4, 5), rho=0.5, d=120, n_seeds=16, fractions=(0.4, 0.55, 0.7, 0.85)):
+    """Softmax at T = 4, 5 (rho = 0.5): SE mmse vs alpha, with GAMP-RIE points (d, ``n_seeds``
+    seeds, mean and standard error) at the given fractions of each T's counting threshold
+    alpha_PR (ticks)."""
+    from ..aim import amp, se
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    meta = {"rho": rho, "d": d, "seeds": n_seeds, "amp": []}
+    Delta = np.geomspace(1e-7, 1e3, 300)
+    for T in tokens:
+        alpha, m = se.softmax_parametric(Delta, rho, T)
+        a_pr = se.perfect_recovery_counting(rho, T)
+        line, = ax.plot(np.r_[a_pr, alpha], np.r_[0.0, m], label=f"SE, T = {T}")
+        ax.axvline(a_pr, ymax=0.06, color=line.get_color(), lw=2)
+        pts = [f * a_pr for f in fractions]
+        res = [amp.run_many(a, rho, d, T, "softmax", seeds=list(range(n_seeds)), iterations=100)
+               for a in _steps(pts, f"AMP T = {T}")]
+        ax.errorbar(pts, [r.mmse for r in res], yerr=[r.mmse_sem or 0 for r in res], fmt="o", ms=4,
+                    color=line.get_color(), label=f"AMP T = {T}, d = {d}")
+        meta["amp"] += [{k: r[k] for k in ("tokens", "alpha", "mmse", "mmse_sem", "mmse_se")} for r in res]
+        meta[f"alpha_PR_T{T}"] = a_pr
+    ax.set_xlim(0, 1.3 * max(se.perfect_recovery_counting(rho, T) for T in tokens))
+    ax.set_ylim(0, 1.1)
+    ax.set_xlabel("alpha = n / d^2")
+    ax.set_ylabel("mmse")
+    ax.set_title(f"softmax, rho = {rho}: T = {', '.join(map(str, tokens))}; ticks = counting thresholds",
+                 fontsize=8)
+    ax.legend(fontsize=7)
+    return _save(fig, out, "many_tokens", meta)
+
+
+def fig_hardmax(out, d=80, n_seeds=3, with_points=True, n_alpha=40, points=(0.1, 0.3, 1.0, 3.0), t3=True):
+    """Hardmax T = 2, log-log: power-law decay mmse ~ alpha^-2, with AMP points at alpha in
+    ``points``; T = 3 at rho = 0.5 (``t3``). The slopes are fitted on the last fifth of the
+    ``n_alpha`` SE points (at least 2)."""
     from ..aim import se
 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.6))
-    alphas = np.geomspace(0.01, 20, 40)
+    alphas = np.geomspace(0.01, 20, n_alpha)
+    tail = max(2, n_alpha // 5)
     meta = {"slopes": {}}
-    for rho in (0.25, 0.5, 1.0):
+    for rho in _steps((0.25, 0.5, 1.0), "SE curves (rho)"):
         res = se.curve(alphas, rho, 2, "hardmax")
         m = np.array([r.mmse for r in res])
         line, = ax.loglog(alphas, m, label=f"SE rho = {rho}")
-        meta["slopes"][str(rho)] = float(np.polyfit(np.log(alphas[-8:]), np.log(m[-8:]), 1)[0])
+        meta["slopes"][str(rho)] = float(np.polyfit(np.log(alphas[-tail:]), np.log(m[-tail:]), 1)[0])
         if with_points and rho == 0.5:
             from ..aim import amp
 
-            pts = [0.1, 0.3, 1.0, 3.0]
-            a_res = [amp.run_many(a, rho, d, 2, "hardmax", seeds=list(range(n_seeds)), iterations=60) for a in pts]
+            pts = list(points)
+            a_res = [amp.run_many(a, rho, d, 2, "hardmax", seeds=list(range(n_seeds)), iterations=60)
+                     for a in _steps(pts, "AMP")]
             ax.errorbar(pts, [r.mmse for r in a_res], yerr=[r.mmse_sem or 0 for r in a_res], fmt="o",
                         ms=4, color=line.get_color(), label=f"AMP d={d}, rho=0.5")
             meta["amp"] = [{k: r[k] for k in ("alpha", "mmse", "mmse_sem", "mmse_se")} for r in a_res]
-    # T = 3 at rho = 0.5 (the channel's J(s) interpolant is built once, ~40 s, then the curve is cheap)
-    res3 = se.curve(alphas, 0.5, 3, "hardmax")
-    m3 = np.array([r.mmse for r in res3])
-    ax.loglog(alphas, m3, "--", color="k", lw=1.2, label="SE T = 3, rho = 0.5")
-    meta["slopes"]["T3_rho0.5"] = float(np.polyfit(np.log(alphas[-8:]), np.log(m3[-8:]), 1)[0])
-    meta["T3_rho0.5"] = {str(a): float(m) for a, m in zip(alphas[::8], m3[::8])}
-    ax.loglog(alphas[-15:], 0.1 * alphas[-15:] ** -2.0, "k:", lw=1, label="alpha^-2")
+    if t3:  # T = 3 at rho = 0.5 (the channel's J(s) interpolant is built once, ~40 s, then the curve is cheap)
+        res3 = se.curve(alphas, 0.5, 3, "hardmax")
+        m3 = np.array([r.mmse for r in res3])
+        ax.loglog(alphas, m3, "--", color="k", lw=1.2, label="SE T = 3, rho = 0.5")
+        meta["slopes"]["T3_rho0.5"] = float(np.polyfit(np.log(alphas[-tail:]), np.log(m3[-tail:]), 1)[0])
+        meta["T3_rho0.5"] = {str(a): float(m) for a, m in zip(alphas[::8], m3[::8])}
+    big = alphas[-max(2, (3 * n_alpha) // 8):]
+    ax.loglog(big, 0.1 * big ** -2.0, "k:", lw=1, label="alpha^-2")
     ax.set_xlabel("alpha")
     ax.set_ylabel("mmse")
-    ax.set_title("hardmax, T = 2 (solid), T = 3 (dashed): power-law decay", fontsize=8)
+    ax.set_title("hardmax, T = 2 (solid)" + (", T = 3 (dashed)" if t3 else "") + ": power-law decay", fontsize=8)
     ax.legend(fontsize=7)
     return _save(fig, out, "hardmax", meta)
 
 
-def fig_small_width(out):
-    """Hardmax T = 2 at small width: mmse vs alpha_bar = alpha / rho; the rho -> 0 limit
-    q = [max(1 - t, 0)]^2 and finite rho, with the weak-recovery threshold alpha_bar_c."""
+def fig_small_width(out, n_points=80):
+    """Hardmax T = 2 at small width: mmse vs alpha_bar = alpha / rho (``n_points`` values in
+    [0.05, 4]); the rho -> 0 limit q = [max(1 - t, 0)]^2 and finite rho, with the weak-recovery
+    threshold alpha_bar_c."""
     from ..aim import se
 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.6))
-    ab = np.linspace(0.05, 4, 80)
-    lim = [se.small_width_se(a).mmse for a in ab]
+    ab = np.linspace(0.05, 4, n_points)
+    lim = [se.small_width_se(a).mmse for a in _steps(ab, "rho -> 0 limit")]
     ax.plot(ab, lim, "k", lw=2, label="rho -> 0 (t(2 - t))")
-    for rho in (0.01, 0.05, 0.2):
+    for rho in _steps((0.01, 0.05, 0.2), "SE curves (rho)"):
         res = se.curve(ab * rho, rho, 2, "hardmax")
         ax.plot(ab, [r.mmse / 1.0 for r in res], "--", label=f"SE rho = {rho}")
     abc = se.small_width_alpha_bar_c()
-    ax.axvline(abc, color="gray", lw=1)
+    ax.axvline(abc, color="gray", lw=1, label="weak recovery alpha_bar_c")
     ax.text(abc * 1.05, 0.05, f"alpha_bar_c = {abc:.4f}", fontsize=7)
     ax.set_xlabel("alpha_bar = alpha / rho")
     ax.set_ylabel("mmse")

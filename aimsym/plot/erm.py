@@ -36,6 +36,13 @@ def _theory(params, alphas):
     return np.array([[f.alpha, f.test, f.train, f.rank, f.converged] for f in fps])
 
 
+def _steps(items, desc):
+    """Progress over the curves / panels of a figure (tqdm on stderr)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(list(items), desc=desc, leave=False)
+
+
 def _line(ax, x, y, ok, fmt, **kw):
     """Curve through converged fixed points; non-converged ones marked 'x' (not joined)."""
     ok = ok.astype(bool)
@@ -68,14 +75,14 @@ def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, qu
                      ("seq-to-sequence", ERMParams(lam=0.01, output="sequence", **BASE))]
         else:
             cases = [(f"lam={lam}", ERMParams(lam=lam, **BASE)) for lam in (0.001, 0.01, 0.1)]
-        for i, (label, p) in enumerate(cases):
+        for i, (label, p) in _steps(enumerate(cases), f"erm {figure}: curves"):
             color = f"C{i}"
             th = _theory(p, alphas) if not (figure == "seq" and i == 1) else None
             col = 3 if figure == "rank" else 1
             if th is not None:
                 _line(ax, th[:, 0], th[:, col], th[:, 4], "-", color=color, label=f"{label} (theory)")
                 if figure == "lam":
-                    _line(ax, th[:, 0], th[:, 2], th[:, 4], ":", color=color, lw=1)
+                    _line(ax, th[:, 0], th[:, 2], th[:, 4], ":", color=color, lw=1, label=f"{label} train (theory)")
             pts = _adam(p, adam_alphas, d, seeds)
             if figure == "rank":
                 ax.plot(pts[:, 0], pts[:, 3], "o", color=color, label=f"Adam d={d}")
@@ -94,7 +101,7 @@ def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, qu
     elif figure == "beta_T":
         cases = [("T=2, beta=beta0=1", dict(tokens=2)), ("T=2, beta=beta0=2", dict(tokens=2, beta=2.0, beta0=2.0)),
                  ("T=2, beta=beta0=0.5", dict(tokens=2, beta=0.5, beta0=0.5)), ("T=3, beta=beta0=1", dict(tokens=3))]
-        for i, (label, kw) in enumerate(cases):
+        for i, (label, kw) in _steps(enumerate(cases), "erm beta_T: curves"):
             p = ERMParams(kappa0=0.5, Delta=0.5, lam=0.01, **kw)
             grid = alphas if kw["tokens"] == 2 else _grid(quick, n=7)
             th = _theory(p, grid)
@@ -107,7 +114,7 @@ def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, qu
         ax.legend(fontsize=7)
     elif figure == "spectra":
         p = ERMParams(lam=0.01, **BASE)
-        for ax, a in zip(axes, (0.05, 0.5, 4.0, 40.0)):
+        for ax, a in _steps(zip(axes, (0.05, 0.5, 4.0, 40.0)), "erm spectra: panels"):
             fp = fixed_point(p, a, ACC)
             sp = spectrum(fp, 400)
             dd = d if a <= 0.5 else (30 if a <= 4 else 16)
@@ -121,6 +128,7 @@ def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, qu
             ax.set_title(f"alpha={a}: peak {sp['delta_peak']:.2f} (Adam "
                          f"{np.mean(np.abs(ev) < 1e-2 * np.abs(ev).max()):.2f}), KS {ks:.2f}", fontsize=8)
             ax.set_xlabel("eigenvalue of S")
+            ax.set_ylabel("density (non-zero part)")
         axes[0].legend(fontsize=7)
     else:
         raise ValueError(figure)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -16,12 +17,30 @@ def _plt():
     return plt
 
 
+_COLLECTORS: list[list] = []
+
+
+@contextmanager
+def collecting_figures():
+    """Within the block, every figure saved by :func:`save_figure` is also appended (as
+    ``(figure, path)``) to the yielded list: how ``aimsym reproduce`` takes the figure an existing
+    figure function draws, to write it again as PDF and to tabulate what it shows."""
+    got: list = []
+    _COLLECTORS.append(got)
+    try:
+        yield got
+    finally:
+        _COLLECTORS.remove(got)
+
+
 def save_figure(fig, out, dpi: int = 130):
     """Save (creating the parent folders, so an --out in a new folder does not lose the run)."""
     from pathlib import Path
 
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi)
+    for got in _COLLECTORS:
+        got.append((fig, str(out)))
 
 
 def _group_label(model_hash: str, several_models: bool) -> str:

@@ -751,11 +751,12 @@ def phase_diagram(model_path, name: str, values, *, workers=None, progress: bool
     base = load(model_path)
     for v in values:
         _check_mixing(base.with_values(**{name: v}), f"--over {name}")
-    if workers == 1:
-        pts = [phase_point(model_path, name, v, **kw) for v in values]
-    else:
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
+    if workers == 1:
+        pts = [phase_point(model_path, name, v, **kw)
+               for v in tqdm(values, desc="phase diagram", disable=not progress)]
+    else:
         pts = []
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as ex:
             futs = [ex.submit(phase_point, str(model_path), name, v, **kw) for v in values]
