@@ -150,3 +150,30 @@ def test_quadrature_audit_detects_a_coarse_rule():
     assert fine.quadrature["max_error"] < coarse.quadrature["max_error"] / 10
     controlled = run_amp(model, d=100, alpha=0.5, seeds=1, max_iter=3, den=model.denoiser())
     assert not controlled.quadrature["audited"] and "error-controlled" in controlled.quadrature["note"]
+
+
+def test_held_layer_blocks_or_enables_the_first():
+    """SMI appendix E: GAMP with the last layer held at overlap q. The held row keeps its overlap
+    (q |W*_2|^2 / d within the noise of its draw, the same at every iteration), and the first layer
+    is learned only when q is large (q = 0: it stays near zero)."""
+    model = aimsym.load("attention_L2_T2", skip=1.0)
+    den = model.denoiser(nodes=16)
+    data = teacher_student(model, 200, alpha=1.2, seed=0)
+    d = data.W_star.shape[1]
+    norm2 = float(data.W_star[1] @ data.W_star[1]) / d
+    final = {}
+    for q in (0.0, 0.99):
+        tr = gamp(den, data, lam=1e-2, rng=np.random.default_rng(1), max_iter=30, tol=0.0, hold={1: q})
+        m22 = tr.M[1:, 1, 1]
+        assert np.allclose(m22, m22[-1])
+        assert abs(m22[-1] - q * norm2) < 4 * np.sqrt(q * (1 - q) * norm2 / d) + 1e-12, (q, m22[-1], norm2)
+        final[q] = tr.M[-1, 0, 0]
+    assert abs(final[0.0]) < 0.1
+    assert abs(final[0.99]) > 0.3
+
+
+@pytest.mark.parametrize("hold,field", [({1: 1.0}, "overlap of row 1"), ({5: 0.5}, "row 5"), ({0: 0.5, 1: 0.5}, "every row")])
+def test_hold_rejects_bad_values(hold, field):
+    model = aimsym.load("attention_L2_T2", skip=1.0)
+    with pytest.raises(aimsym.AimsymError, match=field):
+        run_amp(model, d=50, alpha=0.5, seeds=1, max_iter=2, hold=hold)

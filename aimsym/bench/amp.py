@@ -297,6 +297,46 @@ def iterations_figure(model, outdir, *, d=1000, seeds=4, iters=40, alpha=1.2, la
             "SE_final_Q": np.diag(se[-1]).tolist(), "settings": res.settings}
 
 
+def held_layer_figure(model, outdir, *, d=1000, seeds=4, iters=60, alpha=1.2, lam=1e-2, held=1,
+                      overlaps=(0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.99)):
+    """GAMP with row ``held`` (the last layer) held at a fixed overlap q with the teacher (SMI paper,
+    appendix E): the other layers' final overlaps vs q, mean +- s.e. over ``seeds``, with the free
+    run's final overlaps as horizontal lines (amp_L2_T2_held_layer.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import warnings
+
+    from aimsym.errors import ConvergenceWarning
+    from aimsym.smi.amp import run_amp
+
+    rows = [k for k in range(model.p) if k != held]
+    final, final_se = [], []
+    with warnings.catch_warnings():  # (a fixed number of iterations where a run has not settled)
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        for q in overlaps:
+            r = run_amp(model, d=d, alpha=alpha, seeds=seeds, seed=1, lam=lam, max_iter=iters, hold={held: q})
+            final.append(np.diag(r.final["M"]))
+            final_se.append(np.diag(r.final["M_stderr"]))
+        free = run_amp(model, d=d, alpha=alpha, seeds=seeds, seed=1, lam=lam, max_iter=iters)
+    final, final_se = np.array(final), np.array(final_se)
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
+    for k, c in zip(rows, ("C0", "C2", "C1")):
+        ax.errorbar(overlaps, final[:, k], yerr=final_se[:, k], fmt="o-", ms=3, color=c,
+                    label=f"layer {k + 1}, layer {held + 1} held at q")
+        ax.axhline(free.final["M"][k, k], color=c, ls=":", lw=1, label=f"layer {k + 1}, free run")
+    ax.set(xlabel=f"held overlap q of layer {held + 1}", ylabel="final overlap M_ll", ylim=(-0.05, 1.1),
+           title=f"GAMP with layer {held + 1} held, alpha={alpha}, d={d}, {seeds} seeds, lambda={lam}")
+    ax.title.set_fontsize(8)
+    ax.legend(fontsize=7)
+    _save(fig, os.path.join(outdir, "amp_L2_T2_held_layer.png"))
+    return {"held_row": held, "held_overlaps": list(overlaps), "final_M_diag": final.tolist(),
+            "final_M_diag_stderr": final_se.tolist(), "free_final_M_diag": np.diag(free.final["M"]).tolist(),
+            "settings": {"d": d, "seeds": seeds, "iters": iters, "alpha": alpha, "lambda": lam}}
+
+
 def gd_figure(model, outdir, *, d=200, seeds=3, epochs=1000, alphas=(16, 8)):
     """Adam per-layer overlaps vs epoch at d = 200: alpha = 16 (both layers learned, last layer first)
     and alpha = 8 (dashed: the last layer is learned, the first stalls near 0.55)."""

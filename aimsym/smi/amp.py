@@ -72,7 +72,7 @@ def _check_unit(value, fld: str, low: float, high: float, *, high_open: bool = T
 
 def gamp(den, data, *, lam: float = 0.0, damping: float = 0.0, max_iter: int = 50, tol: float = 1e-4,
          min_iter: int = 3, init_scale: float = 0.0, rng: np.random.Generator | None = None,
-         test=None, callback=None, onsager: bool = True, audit_rows=None) -> AMPTrace:
+         test=None, callback=None, onsager: bool = True, audit_rows=None, hold: dict | None = None) -> AMPTrace:
     """Run GAMP on ``data`` (a :class:`~aimsym.smi.data.TeacherStudentData`) with denoiser ``den``.
 
     ``rng`` draws the side information and the random init (required if either is used).
@@ -81,6 +81,10 @@ def gamp(den, data, *, lam: float = 0.0, damping: float = 0.0, max_iter: int = 5
     ``max_iter``. ``callback(t, M, Q)`` is called after each iteration. ``onsager=False`` drops the
     Onsager term (a diagnostic: the iteration then no longer follows the SE). ``audit_rows``:
     samples whose denoiser inputs are kept per iteration (``audit_inputs``, for :func:`quadrature_audit`).
+    ``hold``: {row k: overlap q in [0, 1)}: row k of W_hat is held at q W*_k + sqrt(q (1 - q)) xi (xi
+    drawn once from ``rng``), with variance C_hat[k, k] = 1 - q and no covariance with the other
+    rows (the blocked-layer experiment of the SMI paper, appendix E: the other rows learn with
+    that row's overlap fixed).
     """
     model = den.model
     _check_unit(lam, "lambda", 0.0, np.inf)
@@ -96,6 +100,8 @@ def gamp(den, data, *, lam: float = 0.0, damping: float = 0.0, max_iter: int = 5
     S = np.sqrt(lam) * data.W_star + rng.standard_normal((p, d)) if lam > 0 else None
     W_hat = init_scale * rng.standard_normal((p, d)) if init_scale > 0 else np.zeros((p, d))
     C_hat = eye.copy()
+    held = _held_rows(hold, p, data.W_star, rng)
+    W_hat, C_hat = _apply_hold(held, W_hat, C_hat)
     g_prev = np.zeros((n, p, T))
     audit_inputs = []
 
@@ -115,7 +121,8 @@ def gamp(den, data, *, lam: float = 0.0, damping: float = 0.0, max_iter: int = 5
         V = 0.5 * (C_hat + C_hat.T)
         omega = indices(W_hat, data.X_rows)
         if onsager:
-            omega = omega - np.einsum("kl,nlt->nkt", V, g_prev)
+            # (held rows do not depend on the data: no Onsager correction; V couples them to nothing)
+            omega = omega - np.einsum("kl,nlt->nkt", V, g_prev if not held else _zero_rows(g_prev, held))
         t1 = time.perf_counter()
         out = den(data.y, omega, V)
         if audit_rows is not None:
@@ -127,8 +134,11 @@ def gamp(den, data, *, lam: float = 0.0, damping: float = 0.0, max_iter: int = 5
         B = back_project(g, data.X_rows) + A @ W_hat
         if S is not None:
             B = B + np.sqrt(lam) * S
-        C_new = np.linalg.inv(eye + A + lam * eye)
-        W_new = C_new @ B
+        if held:  # the free rows' Gaussian posterior given the held rows' estimate
+            W_new, C_new = _free_update(A, B, W_hat, lam, held)
+        else:
+            C_new = np.linalg.inv(eye + A + lam * eye)
+            W_new = C_new @ B
         C_new = 0.5 * (C_new + C_new.T)
         if not (np.all(np.isfinite(W_new)) and np.all(np.isfinite(C_new))):
             raise AimsymError("damping", f"GAMP diverged at iteration {it} (non-finite estimate); "
@@ -138,6 +148,7 @@ def gamp(den, data, *, lam: float = 0.0, damping: float = 0.0, max_iter: int = 5
                                          "(I + A not positive); increase damping")
         W_new = (1 - damping) * W_new + damping * W_hat
         C_new = (1 - damping) * C_new + damping * C_hat
+        W_new, C_new = _apply_hold(held, W_new, C_new)
         change = float(np.sqrt(np.mean((W_new - W_hat) ** 2)))
         W_hat, C_hat, g_prev = W_new, C_new, g
         t_lin += (t1 - t0) + (time.perf_counter() - t2)
@@ -153,6 +164,61 @@ def gamp(den, data, *, lam: float = 0.0, damping: float = 0.0, max_iter: int = 5
                     change=np.array(changes), converged=converged, iterations=it,
                     timing={"denoiser_s": t_den, "linear_algebra_s": t_lin, "iterations": it},
                     audit_inputs=audit_inputs)
+
+
+def _held_rows(hold, p: int, W_star: np.ndarray, rng) -> dict:
+    """{k: (estimate row, variance)} for the held rows (see ``gamp``'s ``hold``), validated."""
+    if not hold:
+        return {}
+    if rng is None:
+        raise AimsymError("rng", "held rows draw their noise: pass an explicit numpy Generator")
+    held = {}
+    for k, q in sorted(hold.items()):
+        if not (isinstance(k, int | np.integer) and 0 <= k < p):
+            raise AimsymError("hold", f"row {k!r} is not an index row of the model (0..{p - 1})")
+        q = float(q)
+        if not (np.isfinite(q) and 0.0 <= q < 1.0):
+            raise AimsymError("hold", f"overlap of row {k} must be in [0, 1), got {q!r}")
+        xi = rng.standard_normal(W_star.shape[1])
+        held[int(k)] = (q * W_star[k] + np.sqrt(q * (1.0 - q)) * xi, 1.0 - q)
+    if len(held) == p:
+        raise AimsymError("hold", "every row is held: nothing left to learn")
+    return held
+
+
+def _free_update(A, B, W_hat, lam: float, held: dict):
+    """Input step for the free rows f with the held rows h fixed: the quadratic form
+    -W^T (I + A + lam) W / 2 + B^T W conditioned on W_h gives C_ff = (I + A_ff + lam)^{-1} and
+    W_f = C_ff (B_f - A_fh W_h); the held rows are put back by :func:`_apply_hold`."""
+    p = A.shape[0]
+    h = sorted(held)
+    f = [k for k in range(p) if k not in held]
+    C_ff = np.linalg.inv(np.eye(len(f)) + A[np.ix_(f, f)] + lam * np.eye(len(f)))
+    W = W_hat.copy()
+    W[f] = C_ff @ (B[f] - A[np.ix_(f, h)] @ W_hat[h])
+    C = np.eye(p)
+    C[np.ix_(f, f)] = C_ff
+    return W, C
+
+
+def _zero_rows(g: np.ndarray, held: dict) -> np.ndarray:
+    """g (n, p, T) with the held rows set to zero."""
+    g = g.copy()
+    g[:, sorted(held)] = 0.0
+    return g
+
+
+def _apply_hold(held: dict, W: np.ndarray, C: np.ndarray):
+    """W and C with the held rows put back (their estimate and variance, no covariance)."""
+    if not held:
+        return W, C
+    W, C = W.copy(), C.copy()
+    for k, (row, var) in held.items():
+        W[k] = row
+        C[k, :] = 0.0
+        C[:, k] = 0.0
+        C[k, k] = var
+    return W, C
 
 
 def prediction_error(model, W_hat, test) -> float:
@@ -260,11 +326,12 @@ def _pad(a: np.ndarray, length: int) -> np.ndarray:
 def run_amp(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, lam: float = 1e-2,
             damping: float = 0.0, max_iter: int = 50, tol: float = 1e-4, min_iter: int = 3,
             init_scale: float = 0.0, n_test: int | None = None, nodes: int | None = None,
-            den=None, progress: bool = False) -> AMPResult:
+            den=None, progress: bool = False, hold: dict | None = None) -> AMPResult:
     """GAMP on ``seeds`` independent teacher-student data sets; mean and standard error per iteration.
 
     Run r uses ``SeedSequence(seed).spawn(seeds)[r]`` for its teacher, data, test set, side
-    information and init. Returns a JSON-able dict (see docs/amp.md).
+    information and init. ``hold``: rows held at a fixed overlap (see :func:`gamp`). Returns a
+    JSON-able dict (see docs/amp.md).
     """
     from ..provenance import provenance
 
@@ -298,7 +365,7 @@ def run_amp(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, lam: 
             audit_y = data.y[rows]
         tr = gamp(den, data, lam=lam, damping=damping, max_iter=max_iter, tol=tol, min_iter=min_iter,
                   init_scale=init_scale, rng=np.random.default_rng(s_amp), test=test, callback=cb,
-                  audit_rows=rows)
+                  audit_rows=rows, hold=hold)
         if bar is not None:
             bar.update(max_iter - tr.iterations)
         traces.append(tr)
@@ -308,6 +375,7 @@ def run_amp(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, lam: 
     out = summarise(model, traces, den=den, settings={
         "d": d, "alpha": alpha, "n": int(round(alpha * d)), "n_test": n_test, "seeds": seeds, "lambda": lam,
         "damping": damping, "max_iter": max_iter, "tol": tol, "min_iter": min_iter, "init_scale": init_scale,
+        "hold": {int(k): float(v) for k, v in (hold or {}).items()},
     }, provenance_record=provenance(seed=seed, model_hash=model.hash(), accuracy=den.accuracy,
                                    seeds_spawned=seeds))
     out.quadrature = audit
