@@ -123,10 +123,10 @@ def _run_amp(args) -> int:
     qa = res.quadrature
     if qa.get("audited"):
         for r in qa["iterations"]:
-            err = "reference unresolved" if r["max_error"] is None else f"within {r['max_error']:.1e}"
-            lines.append(f"quadrature at iteration {r['iteration']} (tr V / p = {r['V_scale']:.1e}): fixed rule {err} "
-                         f"of the error-controlled rule on {r['samples'] - r['reference_missed_tol']} of "
-                         f"{r['samples']} inputs")
+            err = "unresolved" if r["max_error"] is None else f"at most {r['max_error']:.1e}"
+            lines.append(f"quadrature at iteration {r['iteration']} (tr V / p = {r['V_scale']:.1e}): error {err} "
+                         f"(against the error-controlled rule on {r['samples'] - r['reference_missed_tol']} of "
+                         f"{r['samples']} inputs)")
     else:
         lines.append(f"quadrature: {qa.get('note', 'not audited')}")
     _emit(args, res, lines)
