@@ -22,7 +22,7 @@ FAST = Accuracy(gh_nodes=8, gh_final_nodes=10, gh_test_nodes=16, tol=1e-6)
 
 @pytest.mark.parametrize("penalty,kappa0,delta,eps,kappa", [
     ("pnn", 0.5, 0.3, 0.2, None), ("pnn", 0.2, 0.1, 0.05, None), ("pnn", 1.5, 0.7, -0.1, None),
-    ("pnn", 0.5, 0.5, 0.1, 0.3), ("snn", 0.5, 1.0, 0.5, None), ("snn", 0.3, 0.4, 0.1, None),
+    pytest.param("pnn", 0.5, 0.5, 0.1, 0.3, marks=pytest.mark.slow), ("snn", 0.5, 1.0, 0.5, None), ("snn", 0.3, 0.4, 0.1, None),
     ("pnn", 0.5, 0.4, -10.0, None), ("pnn", 1.0, 0.2, 0.3, None)])
 def test_generic_convolution_reproduces_the_wishart_cubic(penalty, kappa0, delta, eps, kappa):
     a = fc.integrals(WishartLaw(kappa0), penalty, delta, eps, kappa, n=96)
@@ -73,9 +73,10 @@ def test_many_groups_separate_at_small_delta_and_merge_at_large():
     assert len(fc.u_intervals(law, 5.0)) == 1
 
 
+@pytest.mark.slow  # an 800 x 800 eigendecomposition: seconds to tens of seconds on a busy machine
 def test_power_law_convolution_matches_a_sampled_matrix():
     rng = np.random.default_rng(1)
-    d, delta, eps = 1200, 0.3, 0.1
+    d, delta, eps = 800, 0.3, 0.1
     law = power_law(0.5, 1.0, 8)
     s = np.repeat(np.array([a for a, _ in law.atoms]), np.round(np.array([p for _, p in law.atoms]) * d).astype(int))
     A = rng.standard_normal((d, d))
@@ -83,12 +84,12 @@ def test_power_law_convolution_matches_a_sampled_matrix():
     y = np.linalg.eigvalsh(np.diag(s) + delta * Z)
     I = fc.integrals(law, "pnn", delta, eps)
     J_mc = np.mean(np.maximum(y - eps, 0) ** 2)
-    assert abs(I.J - J_mc) < 0.01 * I.J, (I.J, J_mc)
-    assert abs(I.rank - np.mean(y > eps)) < 0.01
+    assert abs(I.J - J_mc) < 0.015 * I.J, (I.J, J_mc)
+    assert abs(I.rank - np.mean(y > eps)) < 0.015
 
 
 def test_se_with_power_target_is_a_fixed_point_and_learns():
-    p = ERMParams(kappa0=0.5, lam=0.01, Delta=0.5, target="power", gamma=1.0, groups=10)
+    p = ERMParams(kappa0=0.5, lam=0.01, Delta=0.5, target="power", gamma=1.0, groups=5)
     fp = fixed_point(p, 1.0, FAST)
     assert fp.converged
     out = output_step(p, 1.0, fp.q, fp.m, fp.Sigma, FAST.rule(2))
@@ -125,3 +126,15 @@ def test_fit_exponent_recovers_a_known_slope_and_its_error():
     assert abs(exact.exponent - 0.7) < 1e-12 and exact.stderr < 1e-12 and exact.points == 5
     noisy = fit_exponent(a, 3 * a**-0.7 * np.exp(0.05 * np.sin(7 * np.arange(13))), decades=2)
     assert abs(noisy.exponent - 0.7) < 4 * noisy.stderr + 1e-3 and noisy.stderr > 1e-3
+
+
+@pytest.mark.slow
+def test_fitted_exponent_is_stable_under_grid_refinement():
+    from aimsym.erm.scaling import learning_curve
+    acc = Accuracy(gh_nodes=10, gh_final_nodes=12, gh_test_nodes=20, tol=1e-6)
+    p = ERMParams(kappa0=0.5, lam=0.01, Delta=0.5, target="power", gamma=1.0, groups=20)
+    coarse = learning_curve(p, np.geomspace(10, 100, 4), acc)
+    fine = learning_curve(p, np.geomspace(10, 100, 7), acc)
+    ec, ef = (fit_exponent(c["alpha"], c["excess_test"]) for c in (coarse, fine))
+    assert abs(ec.exponent - ef.exponent) < 0.05 + 3 * (ec.stderr + ef.stderr), (ec, ef)
+    assert np.all(np.diff(fine["test"]) < 0)

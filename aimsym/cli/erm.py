@@ -215,7 +215,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_thresholds)
 
     p = sub.add_parser("plot", help="figures of docs/erm.md")
-    p.add_argument("figure", help="lam | models | spectra | rank | beta_T | seq")
+    p.add_argument("figure", help="lam | models | spectra | rank | beta_T | seq | powerlaw")
     p.add_argument("--out", default=None, help="PNG path (default docs/figures/erm_<figure>.png)")
     p.add_argument("--d", type=int, default=60, help="Adam dimension for the points")
     p.add_argument("--seeds-n", type=int, default=3, help="Adam seeds per point")

@@ -5,7 +5,10 @@ With label noise inside the softmax (Delta > 0) the ERM estimator is not consist
 alpha -> infinity it tends to the population minimiser, which (the risk depending on S only
 through (q, m)) is r* S* with r* = argmin_r R(q = r^2 Q0, m = r Q0), R the test error against
 noisy labels.  ``population_limit`` computes r* and the limiting errors; the learning curves
-are the *excess* errors over these limits, fitted by ``fit_exponent``.
+are the *excess* test error over this limit and the alignment error 1 - m^2 / (Q0 q) (the squared
+sine of the angle between S_hat and S*, scale-free, positive, 0 only for S_hat proportional to S*),
+fitted by ``fit_exponent``.  (The matrix error itself tends to (1 - r*)^2 Q0, but not
+monotonically: S_hat keeps noise eigenvalues above the vanishing threshold eps.)
 """
 
 from __future__ import annotations
@@ -28,15 +31,18 @@ class PopulationLimit:
 
 
 def population_limit(params: ERMParams, accuracy: Accuracy = Accuracy()) -> PopulationLimit:
-    rule = accuracy.rule(params.tokens, "test")
+    """r* minimises the risk under the *iteration* rule of ``accuracy`` (the quadrature whose
+    fixed point tends to it); the limiting errors use the final test rule, as the fixed point's
+    reported errors do, so that excess errors tend to 0 and not to a quadrature floor."""
     Q0 = params.Q0
+    it_rule = accuracy.rule(params.tokens)
 
     def risk(r):
-        return float(test_errors(params, r * r * Q0, r * Q0, rule)["test"][0])
+        return float(test_errors(params, r * r * Q0, r * Q0, it_rule)["test"][0])
 
-    res = minimize_scalar(risk, bounds=(1e-3, 3.0), method="bounded", options={"xatol": 1e-10})
+    res = minimize_scalar(risk, bounds=(1e-3, 3.0), method="bounded", options={"xatol": 1e-12})
     r = float(res.x)
-    out = test_errors(params, r * r * Q0, r * Q0, rule)
+    out = test_errors(params, r * r * Q0, r * Q0, accuracy.rule(params.tokens, "test"))
     return PopulationLimit(r=r, test=float(out["test"][0]), test_clean=float(out["test_clean"][0]),
                            matrix_error=float((1 - r) ** 2 * Q0))
 
@@ -52,12 +58,16 @@ class Exponent:
     alpha_max: float
 
 
-def fit_exponent(alpha, err, decades: float = 1.0) -> Exponent:
-    """Least-squares slope of log err against log alpha on the last ``decades`` of the grid."""
+def fit_exponent(alpha, err, decades: float = 1.0, alpha_max: float | None = None) -> Exponent:
+    """Least-squares slope of log err against log alpha on [alpha_max / 10^decades, alpha_max]
+    (default: the last ``decades`` of the grid)."""
     alpha, err = np.asarray(alpha, float), np.asarray(err, float)
+    top = alpha.max() if alpha_max is None else alpha_max
+    keep = (alpha >= top / 10.0**decades * (1 - 1e-9)) & (alpha <= top * (1 + 1e-9))
+    alpha, err = alpha[keep], err[keep]
+    keep = np.ones(alpha.shape, bool)
     if np.any(err <= 0) or not np.all(np.isfinite(err)):
         raise ValueError("fit_exponent needs finite positive errors")
-    keep = alpha >= alpha.max() / 10.0**decades
     x, y = np.log(alpha[keep]), np.log(err[keep])
     if x.size < 3:
         raise ValueError(f"fit_exponent needs >= 3 points in the last {decades} decades, got {x.size}")
@@ -65,8 +75,15 @@ def fit_exponent(alpha, err, decades: float = 1.0) -> Exponent:
     slope = float(np.sum(xc * (y - y.mean())) / np.sum(xc * xc))
     resid = y - y.mean() - slope * xc
     se = float(np.sqrt(np.sum(resid**2) / (x.size - 2) / np.sum(xc * xc)))
-    return Exponent(exponent=-slope, stderr=se, points=int(x.size), alpha_min=float(alpha[keep].min()),
+    return Exponent(exponent=-slope, stderr=se, points=int(x.size), alpha_min=float(alpha.min()),
                     alpha_max=float(alpha.max()))
+
+
+def decade_exponents(alpha, err) -> list[Exponent]:
+    """Local exponents, one least-squares fit per decade [10^j, 10^(j+1)] covered by the grid."""
+    alpha = np.asarray(alpha, float)
+    lo, hi = np.ceil(np.log10(alpha.min()) - 1e-9), np.floor(np.log10(alpha.max()) + 1e-9)
+    return [fit_exponent(alpha, err, 1.0, 10.0 ** (j + 1)) for j in np.arange(lo, hi)]
 
 
 def learning_curve(params: ERMParams, alphas, accuracy: Accuracy = Accuracy()) -> dict:
@@ -76,8 +93,9 @@ def learning_curve(params: ERMParams, alphas, accuracy: Accuracy = Accuracy()) -
     a = np.array([f.alpha for f in fps])
     test = np.array([f.test for f in fps])
     merr = np.array([f.matrix_error for f in fps])
+    align = np.array([1.0 - f.m * f.m / (f.params.Q0 * f.q) if f.q > 0 else 1.0 for f in fps])
     return {"alpha": a, "test": test, "test_clean": np.array([f.test_clean for f in fps]),
             "matrix_error": merr, "rank": np.array([f.rank for f in fps]),
             "delta": np.array([f.delta for f in fps]), "eps": np.array([f.eps for f in fps]),
             "converged": np.array([f.converged for f in fps]),
-            "limit": lim, "excess_test": test - lim.test, "excess_matrix": merr - lim.matrix_error}
+            "limit": lim, "excess_test": test - lim.test, "alignment_error": align}

@@ -12,7 +12,7 @@ from ..erm.se import Accuracy, curve, fixed_point
 from ..erm.spectrum import ks_distance, spectrum
 from ..erm.train import train
 
-FIGURES = ("lam", "models", "spectra", "rank", "beta_T", "seq")
+FIGURES = ("lam", "models", "spectra", "rank", "beta_T", "seq", "powerlaw")
 ACC = Accuracy(gh_nodes=14, gh_final_nodes=18, gh_test_nodes=24, tol=1e-5, qmc_log2=10)
 BASE = dict(tokens=2, kappa0=0.5, Delta=0.5)
 
@@ -44,6 +44,63 @@ def _line(ax, x, y, ok, fmt, **kw):
         ax.plot(x[~ok], y[~ok], "x", color=kw.get("color"), ms=6)
 
 
+POWER_CASES = (("wishart", None), ("power", 1.0), ("power", 2.0))
+POWER_BASE = dict(tokens=2, kappa0=0.5, Delta=0.5, lam=0.01)
+POWER_KEYS = ("excess_test", "alignment_error")
+
+
+def power_curves(quick: bool = False, accuracy: Accuracy = ACC) -> list[dict]:
+    """Excess test error and alignment error on a log grid of alpha, their exponent fitted on the
+    last decade and their local exponents decade by decade (aimsym.erm.scaling)."""
+    from ..erm.scaling import decade_exponents, fit_exponent, learning_curve
+    alphas = np.geomspace(10.0, 1000.0, 5) if quick else np.geomspace(0.01, 1e4, 19)
+    rows = []
+    for target, gamma in POWER_CASES:
+        p = ERMParams(target=target, gamma=gamma, **POWER_BASE)
+        lc = learning_curve(p, alphas, accuracy)
+        row = {"target": target, "gamma": gamma, "groups": p.groups,
+               **{k: lc[k].tolist() for k in ("alpha", "test", "test_clean", "matrix_error", "rank",
+                                               "delta", "eps", "converged") + POWER_KEYS},
+               "limit": lc["limit"].__dict__}
+        for key in POWER_KEYS:
+            row[f"exponent_{key}"] = fit_exponent(lc["alpha"], lc[key]).__dict__
+            row[f"decade_exponents_{key}"] = [e.__dict__ for e in decade_exponents(lc["alpha"], lc[key])]
+        rows.append(row)
+    return rows
+
+
+def _powerlaw_figure(out, quick):
+    import json
+
+    import matplotlib.pyplot as plt
+
+    from ..provenance import provenance
+    rows = power_curves(quick)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for i, row in enumerate(rows):
+        name = "Wishart target" if row["target"] == "wishart" else f"power law, gamma={row['gamma']:g}"
+        for ax, key in zip(axes, POWER_KEYS):
+            e = row[f"exponent_{key}"]
+            ax.loglog(row["alpha"], row[key], "o-", ms=3, color=f"C{i}",
+                      label=f"{name}: last decade slope -{e['exponent']:.3f} +- {e['stderr']:.3f}")
+    a = np.array(rows[0]["alpha"])
+    for ax, key in zip(axes, POWER_KEYS):
+        ref = rows[0][key][-1] * (a / a[-1]) ** -1.0
+        ax.loglog(a, ref, "--", color="0.6", lw=1, label="alpha^-1 (parametric rate)")
+    for ax, lab in zip(axes, ("excess test error  test - test(alpha = inf)",
+                              "alignment error  1 - m^2 / (Q0 q)")):
+        ax.set_xlabel("alpha = n / d^2")
+        ax.set_ylabel(lab, fontsize=8)
+        ax.legend(fontsize=7)
+    fig.suptitle("ERM learning curves, kappa0=0.5, Delta=0.5, lam=0.01, T=2 "
+                 "(slopes: least squares on the last decade)", fontsize=9)
+    fig.tight_layout()
+    with open(os.path.splitext(out)[0] + ".json", "w") as fh:
+        json.dump({"curves": rows, "params": POWER_BASE, "accuracy": ACC.__dict__,
+                   "provenance": provenance(accuracy=ACC.__dict__)}, fh, indent=1, default=str)
+    return fig
+
+
 def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, quick: bool = False) -> str:
     import matplotlib
     matplotlib.use("Agg")
@@ -53,6 +110,11 @@ def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, qu
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     alphas = _grid(quick)
     adam_alphas = [0.05, 0.2, 0.8] if not quick else [0.2]
+    if figure == "powerlaw":
+        fig = _powerlaw_figure(out, quick)
+        save_figure(fig, out, dpi=80)
+        plt.close(fig)
+        return out
     if figure == "spectra":
         fig, axes = plt.subplots(1, 4, figsize=(13, 3.2))
     else:
