@@ -138,3 +138,17 @@ def test_fitted_exponent_is_stable_under_grid_refinement():
     ec, ef = (fit_exponent(c["alpha"], c["excess_test"]) for c in (coarse, fine))
     assert abs(ec.exponent - ef.exponent) < 0.05 + 3 * (ec.stderr + ef.stderr), (ec, ef)
     assert np.all(np.diff(fine["test"]) < 0)
+
+
+@pytest.mark.slow
+def test_cli_powerlaw_figure_quick(tmp_path):
+    import json
+    out = tmp_path / "pl.png"
+    subprocess.run([sys.executable, "-m", "aimsym.cli", "erm", "plot", "powerlaw", "--quick",
+                    "--out", str(out)], check=True, capture_output=True, text=True)
+    data = json.loads((tmp_path / "pl.json").read_text())
+    assert out.stat().st_size > 10_000 and len(data["curves"]) == 3
+    for row in data["curves"]:
+        assert all(row["converged"]) and np.all(np.diff(row["test"]) < 0)
+        e = row["exponent_excess_test"]
+        assert 0.85 < e["exponent"] < 1.1 and e["stderr"] < 0.05, (row["target"], e)

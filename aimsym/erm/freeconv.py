@@ -153,9 +153,10 @@ def support(law, delta: float) -> np.ndarray:
 
 
 def _u_at(law, delta, t, lo, hi):
-    """u in [lo, hi] with x(u) = t (x increasing)."""
-    return float(_bisect(lambda uu: np.array([_x_of_u(law, delta, float(z)) - t for z in np.atleast_1d(uu)]),
-                         np.array([lo]), np.array([hi]), steps=60)[0])
+    """u in [lo, hi] with x(u) = t (x increasing; Brent's method)."""
+    from scipy.optimize import brentq
+    return float(brentq(lambda uu: _x_of_u(law, delta, uu) - t, lo, hi,
+                        xtol=1e-15 * (abs(lo) + abs(hi) + delta), rtol=4 * np.finfo(float).eps))
 
 
 def _panels(law, delta, x_lo=None, x_abs=None):

@@ -13,13 +13,13 @@ monotonically: S_hat keeps noise eigenvalues above the vanishing threshold eps.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy.optimize import minimize_scalar
 
 from .params import ERMParams
-from .se import Accuracy, curve, test_errors
+from .se import Accuracy, curve, fixed_point, test_errors
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,24 @@ def decade_exponents(alpha, err) -> list[Exponent]:
     return [fit_exponent(alpha, err, 1.0, 10.0 ** (j + 1)) for j in np.arange(lo, hi)]
 
 
-def learning_curve(params: ERMParams, alphas, accuracy: Accuracy = Accuracy()) -> dict:
-    """Fixed points on the grid, the population limit and the excess errors."""
-    fps = curve(params, alphas, accuracy)
+def _fixed_points(params: ERMParams, alphas, accuracy: Accuracy, lam_scale: float | None):
+    if lam_scale is None:
+        return curve(params, alphas, accuracy)
+    out, init = [], None
+    for a in alphas:  # weight decay lam = lam_scale sqrt(alpha), warm-started along the grid
+        fp = fixed_point(replace(params, lam=float(lam_scale * np.sqrt(a))), float(a), accuracy, init=init)
+        out.append(fp)
+        if fp.converged and fp.q > 0:
+            init = (fp.q, fp.m, fp.Sigma)
+    return out
+
+
+def learning_curve(params: ERMParams, alphas, accuracy: Accuracy = Accuracy(),
+                   lam_scale: float | None = None) -> dict:
+    """Fixed points on the grid, the population limit and the excess errors.  ``lam_scale``:
+    weight decay lam = lam_scale sqrt(alpha) (then eps / delta stays of order 1 and the noise
+    in the null space of S* is thresholded away) instead of the fixed params.lam."""
+    fps = _fixed_points(params, alphas, accuracy, lam_scale)
     lim = population_limit(params, accuracy)
     a = np.array([f.alpha for f in fps])
     test = np.array([f.test for f in fps])
@@ -97,5 +112,6 @@ def learning_curve(params: ERMParams, alphas, accuracy: Accuracy = Accuracy()) -
     return {"alpha": a, "test": test, "test_clean": np.array([f.test_clean for f in fps]),
             "matrix_error": merr, "rank": np.array([f.rank for f in fps]),
             "delta": np.array([f.delta for f in fps]), "eps": np.array([f.eps for f in fps]),
+            "lam": np.array([f.params.lam for f in fps]),
             "converged": np.array([f.converged for f in fps]),
             "limit": lim, "excess_test": test - lim.test, "alignment_error": align}
