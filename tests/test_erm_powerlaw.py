@@ -147,8 +147,12 @@ def test_cli_powerlaw_figure_quick(tmp_path):
     subprocess.run([sys.executable, "-m", "aimsym.cli", "erm", "plot", "powerlaw", "--quick",
                     "--out", str(out)], check=True, capture_output=True, text=True)
     data = json.loads((tmp_path / "pl.json").read_text())
-    assert out.stat().st_size > 10_000 and len(data["curves"]) == 3
+    assert out.stat().st_size > 10_000 and len(data["curves"]) == 6
     for row in data["curves"]:
         assert all(row["converged"]) and np.all(np.diff(row["test"]) < 0)
         e = row["exponent_excess_test"]
-        assert 0.85 < e["exponent"] < 1.1 and e["stderr"] < 0.05, (row["target"], e)
+        # alpha = 100..1000: parametric rate ~1, except in the sequential-recovery window
+        # of the power-law targets with tuned weight decay (measured 0.77, 0.82)
+        window = row["target"] == "power" and row["lam_scale"] is not None
+        lo, hi = (0.6, 0.9) if window else (0.9, 1.1)
+        assert lo < e["exponent"] < hi and e["stderr"] < 0.05, (row["target"], row["gamma"], e)
