@@ -28,6 +28,11 @@ def _add_model_args(p):
     p.add_argument("--penalty", default=None, help="pnn (factorised); ridge | snn (direct)")
     p.add_argument("--kappa", type=float, default=None, help="student width r/d (rank cap)")
     p.add_argument("--output", default="label", help="label (seq-to-label) | sequence (seq-to-seq)")
+    p.add_argument("--target", default="wishart",
+                   help="target spectrum: wishart (W* W*^T) | power (groups at c k^-gamma)")
+    p.add_argument("--gamma", type=float, default=None, help="power-law exponent (--target power)")
+    p.add_argument("--groups", type=int, default=None,
+                   help="number of eigenvalue groups of the power-law target (default 40)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -35,7 +40,8 @@ def _params(args):
     from ..erm.params import ERMParams
     return ERMParams(tokens=args.tokens, kappa0=args.kappa0, lam=args.lam, Delta=args.noise,
                      beta=args.beta, beta0=args.beta0, model=args.model, penalty=args.penalty,
-                     kappa=args.kappa, output=args.output)
+                     kappa=args.kappa, output=args.output, target=args.target,
+                     gamma=args.gamma, groups=args.groups)
 
 
 def _accuracy(args):
@@ -99,6 +105,8 @@ def cmd_spectrum(args) -> int:
     from ..erm.se import fixed_point
     from ..erm.spectrum import ks_distance, singular_value_density, spectrum
     params = _params(args)
+    if params.target != "wishart":
+        raise AimsymError("--target", "erm spectrum supports the wishart target only")
     acc = _accuracy(args)
     alpha = parse_grid(args.alpha)
     if len(alpha) != 1:
@@ -207,7 +215,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_thresholds)
 
     p = sub.add_parser("plot", help="figures of docs/erm.md")
-    p.add_argument("figure", help="lam | models | spectra | rank | beta_T | seq")
+    p.add_argument("figure", help="lam | models | spectra | rank | beta_T | seq | powerlaw")
     p.add_argument("--out", default=None, help="PNG path (default docs/figures/erm_<figure>.png)")
     p.add_argument("--d", type=int, default=60, help="Adam dimension for the points")
     p.add_argument("--seeds-n", type=int, default=3, help="Adam seeds per point")

@@ -143,21 +143,29 @@ class PriorStep:
 
 
 def prior_step(penalty: str, q_hat: float, m_hat: float, Sigma_hat: float, lam: float,
-               kappa0: float, kappa: float | None = None, n: int = PRIOR_NODES) -> PriorStep:
-    """q, m, Sigma from the conjugates (theory.md §8, prior side)."""
+               kappa0: float, kappa: float | None = None, n: int = PRIOR_NODES, *,
+               law=None, free_nodes: int | None = None) -> PriorStep:
+    """q, m, Sigma from the conjugates (theory.md §8, prior side).  ``law``: a target law of
+    ``aimsym.erm.target`` (generic free convolution, ``free_nodes`` per panel); None: the
+    Wishart target of rank ratio kappa0 through the cubic."""
     if not (q_hat > 0 and m_hat > 0 and Sigma_hat > 0):
         raise FloatingPointError(
             f"prior step needs positive conjugates, got q_hat={q_hat}, m_hat={m_hat}, "
             f"Sigma_hat={Sigma_hat}")
     delta = np.sqrt(q_hat) / m_hat
-    Q0 = 1.0 + kappa0
+    Q0 = 1.0 + kappa0 if law is None else law.Q0
     if penalty == "ridge":
         # S_hat = m_hat Y / (Sigma_hat + 4 lam): the prox of 2 lam ||S||^2 in the §8 normalisation
         c = m_hat / (Sigma_hat + 4.0 * lam)
         return PriorStep(q=c * c * (Q0 + delta**2), m=c * Q0, Sigma=1.0 / (Sigma_hat + 4.0 * lam),
                          rank=1.0, delta=float(delta), eps=0.0, threshold=-np.inf)
     eps = 2.0 * lam / m_hat
-    I = integrals(penalty, kappa0, delta, eps, kappa, n)
+    if law is None:
+        I = integrals(penalty, kappa0, delta, eps, kappa, n)
+    else:
+        from .freeconv import FREE_NODES
+        from .freeconv import integrals as free_integrals
+        I = free_integrals(law, penalty, float(delta), float(eps), kappa, free_nodes or FREE_NODES)
     r = m_hat / Sigma_hat
     q = r * r * I.J
     m = r * I.J - np.sqrt(q_hat) / (2 * Sigma_hat) * I.dJ_ddelta - lam / Sigma_hat * I.dJ_deps

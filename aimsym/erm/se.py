@@ -47,6 +47,7 @@ class Accuracy:
     max_iter: int = 400
     damping: float = 0.3        # weight of the old iterate
     prior_nodes: int = 160
+    free_nodes: int = 48        # per u-panel, generic free convolution (non-Wishart targets)
     rule_kind: str = "auto"     # auto | gauss-hermite | rqmc
     anderson: int = 3           # Anderson acceleration depth of the outer iteration (0: off)
 
@@ -220,6 +221,7 @@ def fixed_point(params: ERMParams, alpha: float, accuracy: Accuracy = Accuracy()
         raise AimsymError("alpha", f"must be a finite number > 0, got {alpha}")
     t0 = time.perf_counter()
     rule = accuracy.rule(params.tokens)
+    law = params.law
     q, m, Sigma = init if init is not None else (0.5 * params.Q0, 0.5 * params.Q0, 1.0)
     damp = accuracy.damping
     converged, it = False, 0
@@ -235,7 +237,7 @@ def fixed_point(params: ERMParams, alpha: float, accuracy: Accuracy = Accuracy()
             # the student learns nothing useful: at this alpha the estimator collapses
             mh, sh = max(mh, 1e-300), max(sh, 1e-300)
         pr = prior_step(params.penalty, qh, mh, sh, params.lam, params.kappa0, params.kappa,
-                        accuracy.prior_nodes)
+                        accuracy.prior_nodes, law=law, free_nodes=accuracy.free_nodes)
         new = np.array([pr.q, pr.m, pr.Sigma])
         old = np.array([q, m, Sigma])
         upd = (1 - damp) * new + damp * old
@@ -246,7 +248,7 @@ def fixed_point(params: ERMParams, alpha: float, accuracy: Accuracy = Accuracy()
             z_out = output_step(params, alpha, 0.0, 0.0, 0.0, rule)
             zq, zm, zs = (float(z_out[k][0]) for k in ("q_hat", "m_hat", "Sigma_hat"))
             z_pr = prior_step(params.penalty, zq, zm, zs, params.lam, params.kappa0, params.kappa,
-                              accuracy.prior_nodes)
+                              accuracy.prior_nodes, law=law, free_nodes=accuracy.free_nodes)
             zero_ok = z_pr.rank == 0.0
             if zero_ok:
                 q, m, Sigma = 0.0, 0.0, 0.0

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..aim.spectral import density as rho_density
 from ..aim.spectral import support_edges
+from ..errors import AimsymError
 from ..results import Result
 from .prior import integrals
 from .se import FixedPoint
@@ -51,6 +52,8 @@ class SingularValueDensity(Result):
 def spectrum(fp: FixedPoint, n: int = 400) -> Spectrum:
     """Density of the non-zero eigenvalues on a grid, the delta-peak mass and the rank."""
     p = fp.params
+    if p.target != "wishart":
+        raise AimsymError("target", "the predicted spectrum supports the wishart target only")
     scale, eps, pen = _map(fp)
     delta = fp.delta
     edges = support_edges(p.kappa0, delta * delta)

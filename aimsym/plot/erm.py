@@ -12,7 +12,7 @@ from ..erm.se import Accuracy, curve, fixed_point
 from ..erm.spectrum import ks_distance, spectrum
 from ..erm.train import train
 
-FIGURES = ("lam", "models", "spectra", "rank", "beta_T", "seq")
+FIGURES = ("lam", "models", "spectra", "rank", "beta_T", "seq", "powerlaw")
 ACC = Accuracy(gh_nodes=14, gh_final_nodes=18, gh_test_nodes=24, tol=1e-5, qmc_log2=10)
 BASE = dict(tokens=2, kappa0=0.5, Delta=0.5)
 
@@ -51,6 +51,78 @@ def _line(ax, x, y, ok, fmt, **kw):
         ax.plot(x[~ok], y[~ok], "x", color=kw.get("color"), ms=6)
 
 
+# (target, gamma, groups, lam_scale): lam_scale None = fixed lam 0.01; else lam = lam_scale sqrt(alpha)
+POWER_CASES = (("wishart", None, None, None), ("power", 1.0, 40, None), ("power", 2.0, 40, None),
+               ("wishart", None, None, 0.4), ("power", 1.5, 120, 0.4), ("power", 2.0, 120, 0.4))
+POWER_BASE = dict(tokens=2, kappa0=0.5, Delta=0.5, lam=0.01)
+POWER_KEYS = ("excess_test", "alignment_error")
+
+
+def power_grid(quick: bool, tuned: bool):
+    if quick:
+        return np.geomspace(10.0, 1000.0, 5)
+    return np.geomspace(1.0, 1e4, 13) if tuned else np.geomspace(0.01, 1e4, 19)
+
+
+def power_curves(quick: bool = False, accuracy: Accuracy = ACC, cases=POWER_CASES) -> list[dict]:
+    """Excess test error and alignment error on a log grid of alpha, their exponent fitted on the
+    last decade and their local exponents decade by decade (aimsym.erm.scaling)."""
+    from ..erm.scaling import decade_exponents, fit_exponent, learning_curve
+    rows = []
+    for target, gamma, groups, lam_scale in cases:
+        p = ERMParams(target=target, gamma=gamma, groups=groups, **POWER_BASE)
+        lc = learning_curve(p, power_grid(quick, lam_scale is not None), accuracy, lam_scale=lam_scale)
+        row = {"target": target, "gamma": gamma, "groups": p.groups, "lam_scale": lam_scale,
+               **{k: lc[k].tolist() for k in ("alpha", "test", "test_clean", "matrix_error", "rank",
+                                               "delta", "eps", "lam", "converged") + POWER_KEYS},
+               "limit": lc["limit"].__dict__}
+        for key in POWER_KEYS:
+            row[f"exponent_{key}"] = fit_exponent(lc["alpha"], lc[key]).__dict__
+            row[f"decade_exponents_{key}"] = [e.__dict__ for e in decade_exponents(lc["alpha"], lc[key])]
+        rows.append(row)
+    return rows
+
+
+def _powerlaw_figure(out, quick):
+    import json
+
+    import matplotlib.pyplot as plt
+
+    from ..provenance import provenance
+    rows = power_curves(quick)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7.5))
+    for r, tuned in enumerate((False, True)):
+        sel = [row for row in rows if (row["lam_scale"] is not None) == tuned]
+        for i, row in enumerate(sel):
+            name = ("Wishart" if row["target"] == "wishart"
+                    else f"power gamma={row['gamma']:g}, K={row['groups']}")
+            for ax, key in zip(axes[r], POWER_KEYS):
+                e = row[f"exponent_{key}"]
+                ax.loglog(row["alpha"], row[key], "o-", ms=3, color=f"C{i}",
+                          label=f"{name}: last-decade slope -{e['exponent']:.3f} +- {e['stderr']:.3f}")
+                if tuned and row["gamma"]:
+                    a = np.array(row["alpha"])
+                    k = 1 - 1 / (2 * row["gamma"])
+                    ax.loglog(a, row[key][0] * (a / a[0]) ** -k, ":", color=f"C{i}", lw=1,
+                              label=f"alpha^-{k:.3g} (window heuristic, gamma={row['gamma']:g})")
+        a = np.array(sel[0]["alpha"])
+        for ax, key in zip(axes[r], POWER_KEYS):
+            ax.loglog(a, sel[0][key][-1] * (a / a[-1]) ** -1.0, "--", color="0.6", lw=1,
+                      label="alpha^-1 (parametric rate)")
+            ax.set_xlabel("alpha = n / d^2")
+            ax.legend(fontsize=6)
+        axes[r][0].set_ylabel(("lam = 0.4 sqrt(alpha)" if tuned else "lam = 0.01")
+                              + "\nexcess test error  test - test(alpha = inf)", fontsize=8)
+        axes[r][1].set_ylabel("alignment error  1 - m^2 / (Q0 q)", fontsize=8)
+    fig.suptitle("ERM learning curves, T=2, kappa0=0.5, Delta=0.5 (slopes: least squares on the "
+                 "last decade)", fontsize=9)
+    fig.tight_layout()
+    with open(os.path.splitext(out)[0] + ".json", "w") as fh:
+        json.dump({"curves": rows, "params": POWER_BASE, "accuracy": ACC.__dict__,
+                   "provenance": provenance(accuracy=ACC.__dict__)}, fh, indent=1, default=str)
+    return fig
+
+
 def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, quick: bool = False) -> str:
     import matplotlib
     matplotlib.use("Agg")
@@ -60,6 +132,11 @@ def make(figure: str, out: str | None = None, *, d: int = 60, seeds: int = 3, qu
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     alphas = _grid(quick)
     adam_alphas = [0.05, 0.2, 0.8] if not quick else [0.2]
+    if figure == "powerlaw":
+        fig = _powerlaw_figure(out, quick)
+        save_figure(fig, out, dpi=80)
+        plt.close(fig)
+        return out
     if figure == "spectra":
         fig, axes = plt.subplots(1, 4, figsize=(13, 3.2))
     else:
