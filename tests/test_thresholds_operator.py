@@ -414,9 +414,13 @@ def test_cli_phase_diagram_small(tmp_path):
 
 
 def test_cli_thresholds_json_small():
+    # (--pr-local: the algorithmic perfect-recovery bisection of this model takes minutes; its
+    # local stability is the JSON block checked here)
     out = subprocess.run([sys.executable, "-m", "aimsym.cli", "thresholds", str(DER / "mim_product.toml"),
-                          "--samples", "4096", "--json"], capture_output=True, text=True, check=True)
+                          "--samples", "4096", "--pr-local", "--json"], capture_output=True, text=True, check=True)
     d = json.loads(out.stdout)
     assert set(d["initial"]) >= {"alpha", "stderr", "direction"}
     assert d["staircase"][0]["subspace"] == [0, 1]
     assert {"subspace", "alpha", "stderr"} <= set(d["staircase"][0])
+    pr = d["perfect_recovery"]
+    assert pr["counting_alpha"] == 2.0 and abs(pr["local_alpha"] - 2.0) < 4 * pr["local_alpha_stderr"]
