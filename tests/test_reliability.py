@@ -322,6 +322,9 @@ def test_plot_draws_one_labelled_curve_per_parameter_set(tmp_path):
     assert "threshold 1 (layer 1): $\\alpha$ = 0.800 ± 0.010" in labels
     assert {"phase: no layer learnable", "phase: layer 1 learnable"} <= set(labels)
     assert (tmp_path / "f.png").stat().st_size > 0
+    # without thresholds the phases are unknown: none is named
+    bare = plot.overlaps(rows, tmp_path / "g.png")
+    assert bare == curves
 
 
 def test_user_errors_survive_the_trip_from_a_worker_process():

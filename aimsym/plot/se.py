@@ -83,7 +83,8 @@ def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title:
                         label=_layer_label(k) + (f" ({tag})" if tag else ""))
     a_all = np.array([r["alpha"] for r in rows])
     ths = sorted(thresholds or [], key=lambda t: t["alpha"])
-    edges = [a_all.min()] + [t["alpha"] for t in ths] + [a_all.max()]
+    # (without the thresholds the phases are unknown: nothing is shaded)
+    edges = [a_all.min()] + [t["alpha"] for t in ths] + [a_all.max()] if ths else []
     learned: list[int] = []
     for i in range(len(edges) - 1):
         name = "no layer learnable" if not learned else \
