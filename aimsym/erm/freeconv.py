@@ -28,15 +28,33 @@ valid for any initial law.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-from .prior import PriorIntegrals, _gl_theta
-
 BISECT_STEPS = 64
 GAP_STEPS = 90
 FREE_NODES = 48  # Gauss-Legendre nodes per panel
+
+
+@dataclass(frozen=True)
+class PriorIntegrals:
+    """J, its derivatives and the rank of the prior step (for the Wishart target in closed form in
+    ``aimsym.erm.prior``, for any target law here)."""
+
+    J: float
+    dJ_ddelta: float
+    dJ_deps: float
+    rank: float        # fraction of non-zero eigenvalues of S_hat (1 - delta-peak mass)
+    threshold: float   # lower end of the active set (eps, or the rank-cap quantile)
+
+
+@lru_cache(maxsize=8)
+def gl_theta(n: int):
+    """Gauss-Legendre nodes and weights on the angle interval (0, pi)."""
+    t, w = np.polynomial.legendre.leggauss(n)
+    return 0.5 * np.pi * (t + 1.0), 0.5 * np.pi * w
 
 
 def _bisect(fun, lo, hi, steps=BISECT_STEPS):
@@ -197,7 +215,7 @@ def _panels(law, delta, x_lo=None, x_abs=None):
 
 def nodes(law, delta: float, panels, n: int = FREE_NODES):
     """Quadrature nodes: x, weights in x (Jacobian included), rho_delta(x), G(x - i0)."""
-    theta, wt = _gl_theta(n)
+    theta, wt = gl_theta(n)
     if not panels:
         z = np.zeros(0)
         return z, z, z, z.astype(complex)

@@ -20,21 +20,16 @@ absorbs the square-root edges.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 from scipy.optimize import brentq
 
 from ..aim.spectral import stieltjes, support_edges
+from .freeconv import FREE_NODES, PriorIntegrals, gl_theta
+from .freeconv import integrals as free_integrals
 
 PENALTIES = ("pnn", "snn", "ridge")
 PRIOR_NODES = 160  # Gauss-Legendre nodes per panel
-
-
-@lru_cache(maxsize=8)
-def _gl_theta(n: int):
-    t, w = np.polynomial.legendre.leggauss(n)
-    return 0.5 * np.pi * (t + 1.0), 0.5 * np.pi * w
 
 
 def pieces(edges: np.ndarray, cuts_above: float | None = None,
@@ -58,7 +53,7 @@ def pieces(edges: np.ndarray, cuts_above: float | None = None,
 
 def nodes(kappa0: float, delta: float, intervals, n: int = PRIOR_NODES):
     """Quadrature nodes y, weights w (Jacobian included) and G(y - i0) on the intervals."""
-    theta, wt = _gl_theta(n)
+    theta, wt = gl_theta(n)
     ys, ws = [], []
     # extra panel breaks where the broadened atom at 0 (a semicircle of radius
     # ~2 delta sqrt(1 - kappa0)) meets the Wishart bulk: the density has a sharp dip there
@@ -92,15 +87,6 @@ def top_quantile(kappa: float, kappa0: float, delta: float) -> float:
     edges = support_edges(kappa0, delta * delta)
     lo, hi = edges[0, 0], edges[-1, 1]
     return brentq(lambda t: cdf_above(t, kappa0, delta) - kappa, lo, hi, xtol=1e-13, rtol=1e-12)
-
-
-@dataclass(frozen=True)
-class PriorIntegrals:
-    J: float
-    dJ_ddelta: float
-    dJ_deps: float
-    rank: float        # fraction of non-zero eigenvalues of S_hat (1 - delta-peak mass)
-    threshold: float   # lower end of the active set (eps, or the rank-cap quantile)
 
 
 def integrals(penalty: str, kappa0: float, delta: float, eps: float,
@@ -163,8 +149,6 @@ def prior_step(penalty: str, q_hat: float, m_hat: float, Sigma_hat: float, lam: 
     if law is None:
         I = integrals(penalty, kappa0, delta, eps, kappa, n)
     else:
-        from .freeconv import FREE_NODES
-        from .freeconv import integrals as free_integrals
         I = free_integrals(law, penalty, float(delta), float(eps), kappa, free_nodes or FREE_NODES)
     r = m_hat / Sigma_hat
     q = r * r * I.J
