@@ -387,7 +387,8 @@ def run_amp(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, lam: 
         warnings.warn(RuntimeWarning(
             f"GAMP: the denoiser's rule {den.accuracy.get('nodes_per_dim')} nodes per dimension differs from the "
             f"error-controlled rule by up to {audit['max_error']:.1e} (relative; 'quadrature' in the result has it per "
-            "audited iteration); pass more nodes (--nodes) for a more accurate run"), stacklevel=2)
+            "audited iteration, with tr V / p); more nodes (--nodes) help in the bulk, while near perfect recovery "
+            "(V -> 0 at finite d) no fixed rule resolves the posterior"), stacklevel=2)
     stalled = sum(1 for tr in traces if not tr.converged)
     if stalled:
         import warnings
