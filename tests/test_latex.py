@@ -336,7 +336,7 @@ def test_closed_forms_of_sign_product_and_published_model():
 
 
 def test_noisy_model_has_no_perfect_recovery_but_states_the_noiseless_bound():
-    pr = _sections(_document("attention_depth_limit_T2"))["Counting threshold and perfect recovery"]
+    pr = _sections(_document("attention_shared_flow_T2"))["Counting threshold and perfect recovery"]
     assert r"With output noise $\Delta > 0$" in pr and "no perfect recovery at any" in pr
     assert r"At $\Delta = 0$ the counting threshold is $\alpha_{\rm PR} = p/m = \frac{1}{2}$" in pr
 

@@ -171,7 +171,7 @@ def _flow_reference(x, W, beta, tau, output):
 
 
 @pytest.mark.parametrize("output", ["attention", "tokens"])
-def test_depth_limit_link_is_the_ode_flow(output):
+def test_shared_flow_link_is_the_ode_flow(output):
     rng = np.random.default_rng(11)
     d, T, beta, tau = 64, 3, 0.8, 1.5
     x = rng.standard_normal((d, T))
@@ -180,13 +180,13 @@ def test_depth_limit_link_is_the_ode_flow(output):
     ref = _flow_reference(x, W, beta, tau, output)
     errs = []
     for K in (8, 16, 32):
-        spec = S.make_attention(tokens=T, depth_limit=True, tau=tau, depth_steps=K, beta=beta, output=output)
+        spec = S.make_attention(tokens=T, shared_flow=True, tau=tau, depth_steps=K, beta=beta, output=output)
         errs.append(np.max(np.abs(derive(spec).numeric_link(Z) - ref)))
     assert errs[-1] < 1e-6
     assert errs[0] / errs[1] > 8 and errs[1] / errs[2] > 8  # fourth order (ratio 16 asymptotically)
 
 
-def test_finite_depth_network_approaches_the_limit():
+def test_finite_depth_shared_network_approaches_the_flow():
     """L layers with skip c = L / tau, attention rescaled by 1/c, shared weights -> the limit link."""
     from forward import activation
 
@@ -195,7 +195,7 @@ def test_finite_depth_network_approaches_the_limit():
     x = rng.standard_normal((d, T))
     W = rng.standard_normal((d, 1))
     Z = W.T @ x / np.sqrt(d)
-    limit = derive(S.make_attention(tokens=T, depth_limit=True, tau=tau, depth_steps=32)).numeric_link(Z)
+    limit = derive(S.make_attention(tokens=T, shared_flow=True, tau=tau, depth_steps=32)).numeric_link(Z)
     gaps = []
     for L in (100, 400):
         X = x
@@ -206,10 +206,10 @@ def test_finite_depth_network_approaches_the_limit():
     assert gaps[1] < gaps[0] / 3 and gaps[1] < 1e-2  # O(1/L) convergence to the limit
 
 
-def test_depth_limit_validation():
+def test_shared_flow_validation():
     with pytest.raises(S.SpecError) as err:
-        S.make_attention(tokens=2, layers=2, depth_limit=True)
+        S.make_attention(tokens=2, layers=2, shared_flow=True)
     assert err.value.field == "layers"
     with pytest.raises(S.SpecError) as err:
-        S.make_attention(tokens=2, depth_limit=True, tau=-1.0)
+        S.make_attention(tokens=2, shared_flow=True, tau=-1.0)
     assert err.value.field == "tau"

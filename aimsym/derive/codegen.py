@@ -493,7 +493,7 @@ def chamber_blocks(spec: Spec, d: Derivation) -> list[tuple[int, int, int]]:
 
     red = d.reduction
     if not (isinstance(spec, AttentionSpec) and red is not None and red.kind == "attention-rank1"
-            and len(spec.layers) >= 2 and not spec.depth_limit):
+            and len(spec.layers) >= 2 and not spec.shared_flow):
         return []
     if any(not ly.tied or ly.rank != 1 or ly.activation not in ("softmax", "linear") for ly in spec.layers[:-1]):
         return []
@@ -512,7 +512,7 @@ def untied_first(spec: Spec, d: Derivation) -> tuple[int, int] | None:
 
     red = d.reduction
     if not (isinstance(spec, AttentionSpec) and red is not None and red.kind == "attention-untied"
-            and len(spec.layers) == 2 and spec.tokens == 2 and not spec.depth_limit):
+            and len(spec.layers) == 2 and spec.tokens == 2 and not spec.shared_flow):
         return None
     first = spec.layers[0]
     if first.tied or first.rank != 1 or first.heads != 1 or first.activation != "softmax":
@@ -598,7 +598,7 @@ def _polar_angles(spec: Spec, d: Derivation) -> list[float]:
 
     red = d.reduction
     if not (isinstance(spec, AttentionSpec) and red is not None and red.kind == "attention-rank1"
-            and len(spec.layers) == 2 and spec.tokens == 2 and not spec.depth_limit):
+            and len(spec.layers) == 2 and spec.tokens == 2 and not spec.shared_flow):
         return []
     first = spec.layers[0]
     if not (first.tied and first.rank == 1 and first.heads == 1) or red.free != [(0, 0), (0, 1)]:

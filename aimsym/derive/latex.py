@@ -129,14 +129,14 @@ def _heads_term(spec: AttentionSpec, l: int, layer, mix: str | None) -> tuple[li
                 q = k = z
             else:
                 q = k = "h" if (l == L and layer.heads == 1) else f"h^{{{sup}}}"
-                lines.append(f"{q}{'(M)' if spec.depth_limit else ''} &= {mix}\\, {z}")
+                lines.append(f"{q}{'(M)' if spec.shared_flow else ''} &= {mix}\\, {z}")
         else:
             zq, zk = _block_name(spec, l, j, "q"), _block_name(spec, l, j, "k")
             if mix is None:
                 q, k = zq, zk
             else:
                 q, k = f"q^{{{sup}}}", f"k^{{{sup}}}"
-                arg = "(M)" if spec.depth_limit else ""
+                arg = "(M)" if spec.shared_flow else ""
                 lines.append(f"{q}{arg} &= {mix}\\, {zq}, \\quad {k}{arg} = {mix}\\, {zk}")
         kt = f"{{{k}}}^\\top" if "^" in k else f"{k}^\\top"  # (z^K)^T without a double superscript
         terms.append(_activation(layer.activation, layer.beta, f"{q} {kt}"))
@@ -151,6 +151,25 @@ def _heads_term(spec: AttentionSpec, l: int, layer, mix: str | None) -> tuple[li
     return lines, S
 
 
+def _limit_mixing(d: Derivation) -> tuple[str, str]:
+    """The coefficients of I and 11^T in the large-depth limit's mixing Mbar (8 digits in prose)."""
+    M = d.reduction.mixing if d.reduction is not None else None
+    if M is None:
+        from .symbolic import initial_mixing
+
+        M = initial_mixing(d.spec)
+    return f"{float(M[0, 0] - M[0, 1]):.8f}", f"{float(M[0, 1]):.8f}"  # Mbar = (a - b) I + b 11^T
+
+
+def _limit_error(d: Derivation) -> str:
+    from .depth import mean_field_mixing
+
+    layer = d.spec.layers[0]
+    err = mean_field_mixing(d.spec.depth_limit_tau, float(layer.beta), d.spec.tokens, layer.activation).error
+    mant, exp = f"{err:.1e}".split("e")
+    return f"error at most ${mant} \\times 10^{{{int(exp)}}}$"
+
+
 def _mix(l: int) -> str:
     """The mixing product after l layers as the model section names it (M_1 is A_1)."""
     return "A_{1}" if l == 1 else f"M_{{{l}}}"
@@ -161,12 +180,19 @@ def model_lines(d: Derivation) -> list[str]:
     spec = d.spec
     if not isinstance(spec, AttentionSpec):
         return _smi_model_lines(d)
-    if spec.depth_limit:
+    if spec.shared_flow:
         lines, S = _heads_term(spec, 1, spec.layers[0], "M")
         lines.append(f"S(M) &= {S}")
         lines.append(r"\frac{dM}{dt} &= S(M)\, M, \qquad M(0) = I, \quad 0 \le t \le " + _tex(spec.tau))
         lines.append(f"y &= {'S(M(' + _tex(spec.tau) + '))' if spec.output == 'attention' else 'M(' + _tex(spec.tau) + ')'}")
         return lines + _noise_lines(d)
+    if spec.depth_limit_tau is not None:
+        layer = spec.layers[0]
+        z = _block_name(spec, 1, 0, "w")
+        a, b = _limit_mixing(d)
+        hh = r"h h^\top"
+        return [rf"h &= \bar M\, {z}, \qquad \bar M = {a}\, I + {b}\, \mathbf 1 \mathbf 1^\top",
+                "y &= " + _activation(layer.activation, layer.beta, hh)] + _noise_lines(d)
     L = len(spec.layers)
     simple = all(ly.tied and ly.heads == 1 for ly in spec.layers)
     lines, mix = [], None
@@ -234,7 +260,7 @@ def _program_names(d: Derivation) -> dict:
     """The program's LaTeX names, with the logits renamed Lambda (A_l is the mixing matrix in
     the model section, as in the paper)."""
     names = {s: re.sub(r"^A\^", r"\\Lambda^", n) for s, n in d.program.latex_names.items()}
-    if isinstance(d.spec, AttentionSpec) and d.spec.depth_limit:
+    if isinstance(d.spec, AttentionSpec) and d.spec.shared_flow:
         # the flow's per-stage names carry (0-based step, stage): number steps from 1 like M^{(n)}
         names = {s: re.sub(r"\^\{\((\d+),(\d+)\)\}", lambda m: f"^{{({int(m.group(1)) + 1},{m.group(2)})}}", n)
                  for s, n in names.items()}
@@ -255,9 +281,20 @@ def model_section(d: Derivation) -> str:
             defs.append(r"$\operatorname{hardmax}(X)_{ab} = \mathbf 1[b = \arg\max_{b'} X_{ab'}]$")
         if defs:
             out.append(" and ".join(defs) + (" act" if len(defs) > 1 else " acts") + " on rows.")
-        if spec.depth_limit:
+        if spec.depth_limit_tau is not None:
+            tau = _tex(spec.depth_limit_tau)
+            act = spec.layers[0].activation
             out.append(
-                f"Large-depth limit: one layer's weights are shared across $L$ layers with skip $L/{_tex(spec.tau)}$ "
+                f"Large-depth limit with separate weights per layer: $L$ layers, skip $c = L/\\tau$, each layer divided "
+                f"by $c$ ($M_l = (I + \\tfrac{{\\tau}}{{L}} S_l) M_{{l-1}}$), here $\\tau = {tau}$. As $L \\to \\infty$ "
+                f"the first layers' mixing $M_{{L-1}}$ converges (bias $O(1/L)$, fluctuations $O(L^{{-1/2}})$) to the "
+                f"solution $\\bar M = M(\\tau)$ of the mean-field flow "
+                f"$\\dot M = \\mathbb E_{{z\\sim\\mathcal N(0, I_T)}}[\\operatorname{{{act}}}(\\beta\\, (Mz)(Mz)^\\top)]\\, M$, "
+                f"$M(0) = I$ (here $\\beta = {_tex(spec.layers[0].beta)}$), computed numerically ({_limit_error(d)}); "
+                f"$z_1$ is the last layer's index.")
+        if spec.shared_flow:
+            out.append(
+                f"Weight-shared flow (not the large-depth limit with separate weights): one layer's weights are shared across $L$ layers with skip $L/{_tex(spec.tau)}$ "
                 f"and attention scaled by ${_tex(spec.tau)}/L$; as $L\\to\\infty$ the mixing product solves the flow "
                 f"above. The link integrates it with {spec.depth_steps} classical Runge--Kutta steps "
                 f"(error $O(({_tex(spec.tau)}/{spec.depth_steps})^4)$).")
@@ -274,7 +311,7 @@ def model_section(d: Derivation) -> str:
 def _attention_intro(d: Derivation) -> str:
     spec = d.spec
     T = spec.tokens
-    L = 1 if spec.depth_limit else len(spec.layers)
+    L = 1 if spec.shared_flow else len(spec.layers)
     blocks = [name for name, _ in _blocks(d)]
     ranks = {ly.rank for ly in spec.layers}
     shape = r"\mathbb R^{T}" if ranks == {1} else r"\mathbb R^{T\times r_l}"
@@ -283,7 +320,7 @@ def _attention_intro(d: Derivation) -> str:
             f"one weight matrix $W \\in {w_shape}$ per index block, "
             f"$z = x^\\top W/\\sqrt d \\in {shape}$: "
             + ", ".join(f"${b}$" for b in blocks) + ". ")
-    if spec.depth_limit:
+    if spec.shared_flow or spec.depth_limit_tau is not None:
         return text
     if ranks != {1}:
         text += "Ranks " + ", ".join(f"$r_{{{l}}} = {ly.rank}$" for l, ly in enumerate(spec.layers, 1)) + ". "
@@ -414,6 +451,10 @@ def reduction_lines(d: Derivation) -> list[str]:
                 r"\mathcal N\big(y; g(Z), \Delta I\big)\, dZ"]
     if red.kind == "attention-rank1":
         lines = _inverse_map_lines(red)
+        if len(d.spec.layers) == 1 and d.spec.depth_limit_tau is not None:
+            lines.append(r"Z_{\rm out}(y;\omega,V) &= \frac{1}{|\det \bar M|} \sum_{s=\pm 1} "
+                         r"\mathcal N\big(s\, (\bar M^{-1} h)^\top;\omega,V\big)")
+            return lines
         if len(d.spec.layers) == 1:
             lines.append(r"Z_{\rm out}(y;\omega,V) &= \sum_{s=\pm 1} \mathcal N(s\, h^\top;\omega,V)")
             return lines
@@ -510,7 +551,8 @@ def reduction_section(d: Derivation) -> str:
     if red.kind == "attention-rank1":
         L = len(d.spec.layers)
         last = _blocks(d)[-1][0]
-        h_is = f"$h = {last}$" if L == 1 else f"$h = {_mix(L - 1)} {last}$"
+        limit = d.spec.depth_limit_tau is not None
+        h_is = (f"$h = \\bar M {last}$" if limit else f"$h = {last}$") if L == 1 else f"$h = {_mix(L - 1)} {last}$"
         out.append(f"The last layer is tied, single-head and rank one with {red.activation} activation, so "
                    f"$y = {'S_{' + str(L) + '}' if L > 1 else 'S_1'}$ determines {h_is} up to a global sign "
                    f"(inverse output map; $\\ell$, $N$, $G$ are $T\\times T$):")
@@ -532,8 +574,9 @@ def reduction_section(d: Derivation) -> str:
             prod = f"$\\det M_{{{L - 1}}} = \\prod_{{l<{L}}} \\det A_l$; " if L > 2 else ""
             out.append(f"({prod}the Jacobian of $y\\mapsto h$, "
                        r"independent of $\omega$ and $V$, is left out), and " + gout + ".")
-        if red.notes:
-            out.append("Note: " + "; ".join(_prose(n) for n in red.notes) + ".")
+        notes = [n for n in red.notes if not n.startswith("large-depth limit")]  # said in the model section
+        if notes:
+            out.append("Note: " + "; ".join(_prose(n) for n in notes) + ".")
         return "\n".join(out) + "\n"
     if red.kind == "attention-untied":
         lines = reduction_lines(d)
@@ -730,7 +773,7 @@ def appendix_section(d: Derivation) -> str:
                    r"$S_l$ and mixing products $M_l$ (a second superscript index is the head).")
     else:
         out.append(r"The link as the code evaluates it:")
-    if isinstance(d.spec, AttentionSpec) and d.spec.depth_limit:
+    if isinstance(d.spec, AttentionSpec) and d.spec.shared_flow:
         out.append(r"In the flow, a superscript $(n, k)$ is stage $k$ of Runge--Kutta step $n$ "
                    r"($\mathrm{Y}$ the stage's argument, $\mathrm{F} = S\,\mathrm{Y}$ its slope), "
                    r"$M^{(n)}$ the mixing product after step $n$ and $(\tau)$ the output layer.")
@@ -756,7 +799,7 @@ def appendix_section(d: Derivation) -> str:
 def _title(d: Derivation) -> str:
     spec = d.spec
     if isinstance(spec, AttentionSpec):
-        what = (f"Large-depth limit of attention, $T = {spec.tokens}$" if spec.depth_limit else
+        what = (f"Large-depth limit of attention, $T = {spec.tokens}$" if spec.shared_flow else
                 f"Deep attention: $L = {len(spec.layers)}$ layer{'s' if len(spec.layers) > 1 else ''}, "
                 f"$T = {spec.tokens}$ tokens")
     else:

@@ -56,7 +56,7 @@ def closed_form_kind(d: Derivation) -> str | None:
     T = 2 softmax model with its known values), or None."""
     spec = d.spec
     if isinstance(spec, AttentionSpec):
-        if spec.depth_limit or noise(d) != 0 or spec.output != "attention":
+        if spec.shared_flow or noise(d) != 0 or spec.output != "attention":
             return None
         lys = spec.layers
         simple = all(ly.tied and ly.heads == 1 and ly.rank == 1 for ly in lys)

@@ -71,12 +71,16 @@ class AttentionSpec:
     noise: Param = 0.0  # Gaussian output noise variance Delta (0: deterministic link)
     name: str = "model"
     description: str = ""
-    # large-depth limit: one layer's weights shared across L layers with skip c = L / tau and
+    # weight-shared flow: one layer's weights shared across L layers with skip c = L / tau and
     # the attention rescaled by 1 / c; as L -> infinity the mixing product solves the ODE
     # dM/dt = S(M) M on [0, tau], integrated by depth_steps classical Runge-Kutta steps
-    depth_limit: bool = False
+    shared_flow: bool = False
     tau: Param = 1.0
     depth_steps: int = 8
+    # large-depth limit with separate weights per layer (kind = "attention_depth_limit"): the
+    # declared layer is the last one, after the mean-field mixing Mbar(tau) of the first layers
+    # (aimsym.derive.depth); tau is a number, since Mbar is computed when the model is derived
+    depth_limit_tau: float | None = None
     kind: str = field(default="attention", init=False)
 
     @property
@@ -135,10 +139,13 @@ def canonical(spec: Spec) -> dict:
     """JSON-able canonical form (the hash input)."""
     d = asdict(spec)
     d.pop("description", None)
-    if isinstance(spec, AttentionSpec) and not spec.depth_limit:
+    if isinstance(spec, AttentionSpec):
         # optional features at their defaults stay out, so adding one keeps earlier hashes
-        for key in ("depth_limit", "tau", "depth_steps"):
-            d.pop(key)
+        if not spec.shared_flow:
+            for key in ("shared_flow", "tau", "depth_steps"):
+                d.pop(key)
+        if spec.depth_limit_tau is None:
+            d.pop("depth_limit_tau")
     if isinstance(spec, SMISpec) and spec.activation == "linear":
         d.pop("activation")
     return d
@@ -154,10 +161,10 @@ def _symbols_of(spec: Spec) -> tuple[str, ...]:
     if isinstance(spec, AttentionSpec):
         for layer in spec.layers:
             vals = [layer.beta, *(layer.readout or ())]
-            if not spec.depth_limit:
+            if not spec.shared_flow and spec.depth_limit_tau is None:
                 vals.append(layer.skip)
             names.update(v for v in vals if isinstance(v, str))
-        if spec.depth_limit and isinstance(spec.tau, str):
+        if spec.shared_flow and isinstance(spec.tau, str):
             names.add(spec.tau)
     if isinstance(spec.noise, str):
         names.add(spec.noise)
@@ -239,16 +246,43 @@ def make_attention(
     noise=0.0,
     name: str = "model",
     description: str = "",
-    depth_limit: bool = False,
+    shared_flow: bool = False,
     tau=1.0,
     depth_steps: int = 8,
+    depth_limit_tau=None,
+    depth_limit=None,
 ) -> AttentionSpec:
-    """Validated :class:`AttentionSpec`; scalar fields are shared, lists are per layer."""
-    if not isinstance(depth_limit, bool):
-        raise SpecError("depth_limit", f"must be true or false, got {depth_limit!r}")
-    if depth_limit and layers != 1:
-        raise SpecError("layers", "the large-depth limit shares one layer's weights across depth: "
+    """Validated :class:`AttentionSpec`; scalar fields are shared, lists are per layer.
+
+    ``shared_flow``: one layer's weights shared across depth (an ODE flow in the link);
+    ``depth_limit_tau``: the large-depth limit with separate weights per layer (one declared
+    layer, the last; see :mod:`aimsym.derive.depth`)."""
+    if depth_limit is not None:
+        raise SpecError("depth_limit", "renamed: 'shared_flow = true' is one layer's weights shared across depth "
+                                       "(an ODE flow); the large-depth limit with separate weights per layer is "
+                                       "kind = 'attention_depth_limit' (with tau)")
+    if not isinstance(shared_flow, bool):
+        raise SpecError("shared_flow", f"must be true or false, got {shared_flow!r}")
+    if shared_flow and layers != 1:
+        raise SpecError("layers", "the weight-shared flow shares one layer's weights across depth: "
                                   "declare layers = 1 (depth is set by tau)")
+    if depth_limit_tau is not None:
+        if shared_flow:
+            raise SpecError("shared_flow", "the large-depth limit (separate weights) and the weight-shared flow "
+                                           "are different models: declare one")
+        if layers != 1 or rank != 1 or heads != 1 or tied is not True:
+            raise SpecError("layers", "the large-depth limit is declared by its last layer only: layers = 1, "
+                                      "rank = 1, heads = 1, tied = true (depth is set by tau)")
+        if output != "attention":
+            raise SpecError("output", "the large-depth limit observes the last attention matrix: output = 'attention'")
+        depth_limit_tau = _param(depth_limit_tau, "tau", positive=True)
+        if isinstance(depth_limit_tau, str) or isinstance(beta, str):
+            raise SpecError("tau" if isinstance(depth_limit_tau, str) else "beta",
+                            "must be a number in the large-depth limit: the mean-field mixing Mbar(tau) of the "
+                            "first layers is computed when the model is derived")
+        from .depth import check_limit
+
+        check_limit(depth_limit_tau, float(beta), _int(tokens, "tokens", 1, 8), activation)
     T = _int(tokens, "tokens", 1, 8)
     L = _int(layers, "layers", 1, 6)
     ranks = [_int(r, "rank", 1, 8) for r in _per_layer(rank, "rank", L)]
@@ -287,8 +321,9 @@ def make_attention(
         noise=_param(noise, "noise", nonneg=True),
         name=_name(name),
         description=str(description),
-        depth_limit=depth_limit,
+        shared_flow=shared_flow,
         tau=_param(tau, "tau", positive=True),
+        depth_limit_tau=depth_limit_tau,
         depth_steps=_int(depth_steps, "depth_steps", 1, 512),
     )
     check_values(spec, {})
@@ -388,8 +423,10 @@ def _name(name) -> str:
 
 _ATTENTION_KEYS = {
     "kind", "tokens", "layers", "rank", "heads", "tied", "skip", "activation", "beta",
-    "readout", "output", "head_mode", "noise", "name", "description", "depth_limit", "tau", "depth_steps",
+    "readout", "output", "head_mode", "noise", "name", "description", "shared_flow", "tau", "depth_steps",
+    "depth_limit",  # renamed: refused with a pointer to shared_flow and the attention_depth_limit kind
 }
+_DEPTH_LIMIT_KEYS = {"kind", "tokens", "activation", "beta", "tau", "noise", "name", "description"}
 _SMI_KEYS = {"kind", "indices", "tokens", "link", "parameters", "noise", "name", "description", "activation"}
 
 
@@ -401,17 +438,21 @@ def from_dict(data: dict, *, default_name: str = "model") -> Spec:
     if kind in ("aim", "erm"):
         raise SpecError("kind", f"an {kind} model has no SMI derivation: run it with aimsym se|thresholds|amp|gd FILE "
                                 "(or load it with aimsym.load)")
-    _choice(kind, "kind", ("attention", "smi"))
-    allowed = _ATTENTION_KEYS if kind == "attention" else _SMI_KEYS
+    _choice(kind, "kind", ("attention", "attention_depth_limit", "smi"))
+    allowed = {"attention": _ATTENTION_KEYS, "attention_depth_limit": _DEPTH_LIMIT_KEYS, "smi": _SMI_KEYS}[kind]
     unknown = sorted(set(m) - allowed)
     if unknown:
         raise SpecError(unknown[0], f"unknown key for kind = {kind!r}; allowed: {', '.join(sorted(allowed))}")
     m.pop("kind", None)
     m.setdefault("name", default_name)
     try:
-        if kind == "attention":
+        if kind in ("attention", "attention_depth_limit"):
             if "tokens" not in m:
                 raise SpecError("tokens", "required (an integer >= 1)")
+            if kind == "attention_depth_limit":
+                if "tau" not in m:
+                    raise SpecError("tau", "required for kind = 'attention_depth_limit' (a number > 0)")
+                m["depth_limit_tau"] = m.pop("tau")
             return make_attention(**m)
         for key in ("indices", "tokens", "link"):
             if key not in m:
@@ -457,10 +498,16 @@ def to_toml(spec: Spec) -> str:
             return "[" + ", ".join(fmt(e) for e in v) + "]"
         raise TypeError(v)
 
-    lines = ["[model]", f"kind = {fmt(spec.kind)}", f"name = {fmt(spec.name)}"]
+    limit = isinstance(spec, AttentionSpec) and spec.depth_limit_tau is not None
+    kind = "attention_depth_limit" if limit else spec.kind
+    lines = ["[model]", f"kind = {fmt(kind)}", f"name = {fmt(spec.name)}"]
     if spec.description:
         lines.append(f"description = {fmt(spec.description)}")
-    if isinstance(spec, AttentionSpec):
+    if limit:
+        layer = spec.layers[0]
+        lines += [f"tokens = {spec.tokens}", f"activation = {fmt(layer.activation)}", f"beta = {fmt(layer.beta)}",
+                  f"tau = {fmt(spec.depth_limit_tau)}"]
+    elif isinstance(spec, AttentionSpec):
         lines += [f"tokens = {spec.tokens}", f"layers = {len(spec.layers)}"]
         for key in ("rank", "heads", "tied", "skip", "activation", "beta"):
             vals = [getattr(layer, key) for layer in spec.layers]
@@ -468,8 +515,8 @@ def to_toml(spec: Spec) -> str:
         if any(layer.readout is not None for layer in spec.layers):
             lines.append(f"readout = {fmt([list(layer.head_weights()) for layer in spec.layers])}")
         lines += [f"output = {fmt(spec.output)}", f"head_mode = {fmt(spec.head_mode)}"]
-        if spec.depth_limit:
-            lines += ["depth_limit = true", f"tau = {fmt(spec.tau)}", f"depth_steps = {spec.depth_steps}"]
+        if spec.shared_flow:
+            lines += ["shared_flow = true", f"tau = {fmt(spec.tau)}", f"depth_steps = {spec.depth_steps}"]
     else:
         lines += [f"indices = {spec.indices}", f"tokens = {spec.tokens}", f"link = {fmt(spec.link)}"]
         if spec.parameters_:

@@ -260,17 +260,35 @@ def layout(spec: AttentionSpec) -> list[IndexLabel]:
     return labels
 
 
+def initial_mixing(spec: AttentionSpec) -> sp.Matrix:
+    """M_0: the identity, or in the large-depth limit the mean-field mixing Mbar(tau) of the
+    first layers (numbers: computed here, written into the generated module)."""
+    if spec.depth_limit_tau is None:
+        return sp.eye(spec.tokens)
+    from .depth import mean_field_mixing
+
+    layer = spec.layers[0]
+    mbar = mean_field_mixing(spec.depth_limit_tau, float(layer.beta), spec.tokens, layer.activation).matrix
+    T = spec.tokens
+    # the flow commutes with token permutations, so Mbar = (a - b) I + b 11^T exactly (diagonal a,
+    # off-diagonal b): average the rule's (tiny) asymmetry away
+    a = float(np.mean(np.diag(mbar)))
+    b = float((mbar.sum() - np.trace(mbar)) / (T * (T - 1)))
+    return sp.Matrix(T, T, lambda i, j: sp.Float(a if i == j else b, 17))
+
+
 def attention_forward(spec: AttentionSpec, Z: sp.Matrix, prog: Program, upto: int | None = None):
     """Mixing products of theory section 2 on the index matrix Z, as program intermediates.
 
-    Returns the list of (S_l, M_l) for l = 1..L (or 1..upto); M_0 = I.
+    Returns the list of (S_l, M_l) for l = 1..L (or 1..upto); M_0 = I (or Mbar(tau) in the
+    large-depth limit).
     """
     T = spec.tokens
     labels = layout(spec)
     rows: dict[tuple[int, int, str], list[int]] = {}
     for k, lb in enumerate(labels):
         rows.setdefault((lb.layer, lb.head, lb.role), []).append(k)
-    M = sp.eye(T)
+    M = initial_mixing(spec)
     out = []
     for l, layer in enumerate(spec.layers, start=1):
         if upto is not None and l > upto:
@@ -314,7 +332,7 @@ def _layer_attention(spec: AttentionSpec, layer, rows, Z, M, prog, tag, ltag):
     return S_total
 
 
-def depth_limit_flow(spec: AttentionSpec, Z: sp.Matrix, prog: Program):
+def shared_flow_ode(spec: AttentionSpec, Z: sp.Matrix, prog: Program):
     """Large-depth limit: dM/dt = S(M) M, M(0) = I on [0, tau] (classical RK4, depth_steps
     steps; the error is O((tau / depth_steps)^4)). Returns (S(M(tau)), M(tau))."""
     T = spec.tokens
@@ -347,10 +365,10 @@ def derive(spec: Spec) -> Derivation:
 @functools.lru_cache(maxsize=64)
 def _derive(spec: Spec) -> Derivation:
     prog = Program()
-    if isinstance(spec, AttentionSpec) and spec.depth_limit:
+    if isinstance(spec, AttentionSpec) and spec.shared_flow:
         p, T = spec.p, spec.tokens
         Z = index_matrix(p, T)
-        S_tau, M_tau = depth_limit_flow(spec, Z, prog)
+        S_tau, M_tau = shared_flow_ode(spec, Z, prog)
         link = S_tau if spec.output == "attention" else M_tau
         labels = layout(spec)
         reduction, reason = None, ("no exact reduction: large-depth limit (the mixing product is the "
@@ -362,7 +380,7 @@ def _derive(spec: Spec) -> Derivation:
         S_L, M_L = layers[-1]
         link = S_L if spec.output == "attention" else M_L
         labels = layout(spec)
-        M_prev = layers[-2][1] if len(layers) > 1 else sp.eye(T)
+        M_prev = layers[-2][1] if len(layers) > 1 else initial_mixing(spec)
         reduction, reason = _attention_reduction(spec, M_prev, prog)
     else:
         p, T = spec.indices, spec.tokens
@@ -402,13 +420,13 @@ def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix, prog: Program |
         why.append(f"last layer rank {last.rank} (needs rank 1)")
     if last.heads != 1:
         why.append(f"last layer has {last.heads} heads (needs 1)")
-    if not last.tied and not why and last.activation == "softmax" and not spec.depth_limit:
+    if not last.tied and not why and last.activation == "softmax" and not spec.shared_flow:
         return _untied_reduction(spec, M_prev, prog or Program())
     if not last.tied:
         why.append("last layer untied (needs tied query/key, or an untied softmax last layer whose earlier "
                    "layers' mixing keeps the all-ones direction)")
     if (last.activation == "hardmax" and not why and len(spec.layers) == 1 and spec.tokens == 2
-            and not spec.depth_limit):
+            and not spec.shared_flow):
         red = Reduction(kind="hardmax-wedge", free=[], solved=[(0, 0), (0, 1)],
                         obs=[sp.Symbol("y_0", real=True)], branches=[], log_jacobian=[],
                         notes=["y = hardmax(beta z z^T) fixes the signs of z_1, z_2, z_1 - z_2: the posterior "
@@ -416,7 +434,7 @@ def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix, prog: Program |
                                "Gauss-Legendre in angle)"])
         return red, "hardmax, one layer, T = 2: region constraint (union of wedges), closed form"
     if (last.activation == "hardmax" and not why and len(spec.layers) == 2 and spec.tokens == 2
-            and not spec.depth_limit and _first_layer_rank1_tied(spec)):
+            and not spec.shared_flow and _first_layer_rank1_tied(spec)):
         return _hardmax_mixed_reduction(spec, M_prev)
     if last.activation not in ("softmax", "linear"):
         why.append(f"last activation {last.activation} (needs softmax or linear; hardmax gives region constraints, "
@@ -430,7 +448,7 @@ def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix, prog: Program |
     free = [(k, t) for k in range(p - 1) for t in range(T)]
     solved = [(p - 1, t) for t in range(T)]
     notes = []
-    if len(spec.layers) == 1:
+    if len(spec.layers) == 1 and spec.depth_limit_tau is None:
         det = sp.Integer(1)
         branches = [list(hv), list(-hv)]
     else:
@@ -443,6 +461,13 @@ def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix, prog: Program |
                          "points with det M_{L-1} = 0 have zero weight")
         if any(isinstance(ly.skip, float) and ly.skip <= 0 for ly in prev):
             notes.append("skip <= 0: M_{L-1} can be singular")
+        if spec.depth_limit_tau is not None:
+            from .depth import mean_field_mixing
+
+            mf = mean_field_mixing(spec.depth_limit_tau, float(last.beta), T, last.activation)
+            notes.append(f"large-depth limit: M_{{L-1}} = Mbar(tau = {spec.depth_limit_tau:g}), the mean-field "
+                         f"mixing of the first layers: diagonal {float(M_prev[0, 0]):.15g}, off-diagonal "
+                         f"{float(M_prev[0, 1]):.15g} (numerical error at most {mf.error:.1e})")
     logj = [-sp.log(sp.Abs(det))] * 2
     z_last = sp.Matrix([sp.Symbol(f"z_{p - 1}_{t}", real=True) for t in range(T)])
     red = Reduction(

@@ -389,6 +389,12 @@ def quadrature_summary(out, den) -> dict:
     err = getattr(out, "error", None)
     tol = getattr(den, "tol", None)
     if err is None:
+        model = getattr(den, "model", None)
+        if (model is not None and getattr(model.kernels, "INTEGRAL_DIM", None) == 0
+                and model.kernels.PATH in ("attention-rank1", "solve", "halfspace")):
+            # the reduced posterior is a finite set of points: no integral, only rounding
+            return {"quadrature_error_max": 0.0, "quadrature_tol": tol, "quadrature_missed": 0,
+                    "quadrature_note": "exact: the reduced posterior is a finite set of points (no integral)"}
         return {"quadrature_error_max": None, "quadrature_tol": tol, "quadrature_missed": None,
                 "quadrature_note": "fixed rule: the quadrature error is not estimated"}
     err = np.asarray(err, dtype=float).ravel()
