@@ -225,6 +225,23 @@ def _aim_fig4(work: Path, quick: bool) -> dict:
     return {"settings": {"rho": 0.5, "tokens": [4, 5], **kw}, "seed": list(range(kw["n_seeds"]))}
 
 
+def _aim_fig5(work: Path, quick: bool) -> dict:
+    """Softmax T = 2 at low width: finite-rho SE in alpha_bar = alpha / rho, the rho -> 0 limit and
+    the weak-recovery threshold 1 / c_T (``aimsym aim se --small-width --activation softmax``)."""
+    from .plot.aim import _GAP_RHOS, fig_small_width_softmax
+
+    rhos = (0.1, 0.01, 1e-3, 1e-4)
+    kw = dict(n_points=15, rhos=rhos, gap_rhos=rhos) if quick else dict(n_points=140, rhos=rhos, gap_rhos=_GAP_RHOS)
+    points: list[dict] = []
+    _, meta = fig_small_width_softmax(work, tokens=2, table=points, **kw)
+    return {"settings": {"tokens": 2, "activation": "softmax", "beta": "any (the SE does not depend on it)",
+                         "rho": list(rhos), "gap_rho": list(kw["gap_rhos"]), "n_points": kw["n_points"],
+                         "alpha_bar": [points[0]["alpha_bar"], points[-1]["alpha_bar"]],
+                         "finite_rho": "parametric softmax SE, Brent in log Delta (xtol 1e-13)",
+                         "limit": "closed form t = 2 - c alpha_bar"},
+            "summary": meta, "tables": {"points": points}}
+
+
 # ----------------------------------------------------------------------------- ERM paper
 def _erm(which: str):
     def draw(work: Path, quick: bool) -> dict:
@@ -286,10 +303,9 @@ FIGURES: tuple[PaperFigure, ...] = (
                 "softmax, T = 4 and 5: state-evolution error vs alpha with AMP points (d = 120, 16 data sets in "
                 "the paper)", draw=_aim_fig4),
     PaperFigure("aim-fig5", "AIM", "Fig. 5",
-                "softmax, T = 2 at low width: error vs alpha_bar = n / (d r) for several rho and the predicted "
-                "weak-recovery threshold", status=NOT_IMPLEMENTED,
-                reason="aimsym's small-width limit is derived for hardmax only ('aimsym aim se --small-width' "
-                       "refuses softmax); the softmax low-width limit is not derived yet"),
+                "softmax, T = 2 at low width: error vs alpha_bar = n / (d r) for several rho, the rho -> 0 limit "
+                "and the predicted weak-recovery threshold alpha_bar_c = 1 / (T^2 + T - 2) (grey line)",
+                draw=_aim_fig5),
     PaperFigure("erm-errors", "ERM", "test and train errors",
                 "factorised tied attention (PSD nuclear norm): test error (solid) and train error (dotted) vs "
                 "alpha for weight decay lambda = 0.001, 0.01, 0.1, with Adam points", draw=_erm("lam")),

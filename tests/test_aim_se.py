@@ -122,7 +122,9 @@ def test_small_width_is_limit_of_finite_rho(ab):
 
 def test_thresholds_dict():
     t = se.thresholds(2, 0.5, "softmax")
-    assert t["perfect_recovery"] == pytest.approx(0.1875) and t["weak_recovery"] is None
+    assert t["perfect_recovery"] == pytest.approx(0.1875)
+    # weak recovery only as the small-width statement alpha = rho / c_T (tests/test_aim_small_width.py)
+    assert t["weak_recovery"]["alpha"] == pytest.approx(0.5 * se.small_width_alpha_bar_c(2, "softmax"))
     h = se.thresholds(2, 0.5, "hardmax")
     assert h["perfect_recovery"] is None
     assert h["weak_recovery"]["alpha"] == pytest.approx(0.5 * se.small_width_alpha_bar_c())

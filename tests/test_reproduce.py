@@ -28,7 +28,7 @@ PAPER_FIGURES = {
     ("ERM", "temperature and tokens"): "erm-beta-T", ("ERM", "sequence-to-sequence"): "erm-seq",
 }
 UNAVAILABLE = {"smi-fig3-right"}  # external data (TREC)
-NOT_IMPLEMENTED = {"aim-fig5"}
+NOT_IMPLEMENTED: set[str] = set()
 AVAILABLE = [n for n in PAPER_FIGURES.values() if n not in UNAVAILABLE | NOT_IMPLEMENTED]
 SLOW = {"smi-fig3-left", "smi-figA5", "erm-errors", "erm-models", "erm-spectra", "erm-rank", "erm-beta-T", "erm-seq"}
 
@@ -132,6 +132,20 @@ def _check_aim_small_width(rows, rec):
     assert line["x"] == pytest.approx(se.small_width_alpha_bar_c())
     r = _inner(_series(rows, "SE rho = 0.05", "line"))
     assert se.solve(r["x"] * 0.05, 0.05, 2, "hardmax").mmse == pytest.approx(r["y"], rel=1e-4)
+
+
+def _check_aim_small_width_softmax(rows, rec):
+    from aimsym.aim import se
+
+    r = _inner(_series(rows, "rho -> 0 limit", "line"))
+    assert float(se.small_width_mmse(r["x"], 2, "softmax")) == pytest.approx(r["y"], abs=1e-14)
+    line = _series(rows, "weak recovery alpha_bar_c = 1/4", "vline")[0]
+    assert line["x"] == pytest.approx(se.small_width_alpha_bar_c(2, "softmax"))
+    assert rec["summary"]["alpha_bar_c_numeric"] == pytest.approx(line["x"], rel=1e-9)
+    r = _inner(_series(rows, "SE rho = 0.001", "line"))
+    assert se.solve_softmax(r["x"] * 1e-3, 1e-3).mmse == pytest.approx(r["y"], rel=1e-9)
+    gaps = sorted((p["x"], p["y"]) for p in rows if p["panel"] == 1 and p["series"].startswith("max |SE - limit|"))
+    assert len(gaps) == 4 and all(small[1] < big[1] for small, big in zip(gaps, gaps[1:]))  # shrinks with rho
 
 
 def _check_aim_tokens(rows, rec):
@@ -265,6 +279,7 @@ CHECKS = {
     "aim-fig2-right": _check_aim_tokens,
     "aim-fig3": lambda rows, rec: _check_aim_softmax(rows, rec, "linear"),
     "aim-fig4": _check_aim_many_tokens,
+    "aim-fig5": _check_aim_small_width_softmax,
     "smi-fig1-left": _check_se_overlaps("attention_L2_T2", 0.6, 2, None),
     "smi-fig1-right": _check_phase_diagram,
     "smi-fig2-left": _check_gamp,

@@ -104,6 +104,24 @@ class LinearChannel:
         dg = np.broadcast_to(-1.0 / (w * V), g.shape).copy()
         return g, dg
 
+    def information_numeric(self, V, omega=None, n_nodes=6):
+        """I = 2 E[sum w g^2] by Gauss-Hermite over h - omega, with y computed through the actual
+        link (softmax(beta h) and the log-ratio recovery; the identity for linear) and ``denoise``
+        (checks the counting constant and beta independence; exact for polynomials of degree
+        < 2 n_nodes, and g is linear in h - omega, so n_nodes = 2 is already exact)."""
+        L = len(pairs(self.tokens))
+        w = entry_weights(self.tokens)
+        x, wx = np.polynomial.hermite_e.hermegauss(n_nodes)
+        wx = wx / wx.sum()
+        grids = np.meshgrid(*([x] * L), indexing="ij")
+        xi = np.stack([g.ravel() for g in grids], axis=-1) * np.sqrt(w * V)
+        weight = np.prod(np.meshgrid(*([wx] * L), indexing="ij"), axis=0).ravel()
+        omega = np.zeros(L) if omega is None else np.asarray(omega, dtype=float)
+        h = omega + xi
+        y = self.sample(to_matrix(h, self.tokens))
+        g, _ = self.denoise(y, omega, V)
+        return 2.0 * np.sum(weight * np.sum(w * g**2, axis=-1))
+
 
 class SoftmaxChannel(LinearChannel):
     """y = softmax_rows(beta h): reveals h up to the global shift h + c 1 1^T (any beta > 0)."""
@@ -161,23 +179,6 @@ class SoftmaxChannel(LinearChannel):
         # d g_k / d omega_k = Cov(h_k, h_k | y) / var_k^2 - 1 / var_k, Cov = 1 / precision
         dg = np.broadcast_to(1.0 / (precision * var**2) - 1.0 / var, g.shape).copy()
         return g, dg
-
-    def information_numeric(self, V, omega=None, n_nodes=6):
-        """I = 2 E[sum w g^2] by Gauss-Hermite over h - omega, with y computed through the actual
-        softmax(beta h) and the recovery above (checks the counting constant and beta
-        independence; exact for polynomials of degree < 2 n_nodes)."""
-        L = len(pairs(self.tokens))
-        w = entry_weights(self.tokens)
-        x, wx = np.polynomial.hermite_e.hermegauss(n_nodes)
-        wx = wx / wx.sum()
-        grids = np.meshgrid(*([x] * L), indexing="ij")
-        xi = np.stack([g.ravel() for g in grids], axis=-1) * np.sqrt(w * V)
-        weight = np.prod(np.meshgrid(*([wx] * L), indexing="ij"), axis=0).ravel()
-        omega = np.zeros(L) if omega is None else np.asarray(omega, dtype=float)
-        h = omega + xi
-        y = self.sample(to_matrix(h, self.tokens))
-        g, _ = self.denoise(y, omega, V)
-        return 2.0 * np.sum(weight * np.sum(w * g**2, axis=-1))
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,6 +8,11 @@ sqrt(rho) I alone gives, i.e. alpha = 0), q_hat its conjugate, mmse = Q0 - q, Q0
 
 Softmax/linear: I = c / V, so the fixed point is explicit in Delta = 1/q_hat:
 alpha(Delta) = m(Delta) / (c Delta), mmse = m(Delta) (``softmax_parametric``).
+
+Small width (rho -> 0; ``small_width_se``): alpha = alpha_bar rho, q_hat = rho / t,
+q = [max(1 - t, 0)]^2, t = 1 / (alpha_bar I(q, 1 - q)); softmax/linear in closed form
+(t = 2 - c alpha_bar, weak recovery at alpha_bar_c = 1/c, perfect recovery at 2/c), hardmax by
+iteration. Derivation and checks: docs/aim.md section 3.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from ..provenance import provenance
 from ..results import Result
 from .channels import (
     HardmaxChannel,
+    pairs as channels_pairs,
     counting_constant,
     make_channel,
     small_width_information_closed_form,
@@ -269,60 +275,172 @@ def solve(alpha, rho, tokens=2, activation="softmax", beta=1.0, *, method="auto"
 
 
 # ---------------------------------------------------------------------------------------
-# Small width (rho -> 0), hardmax T = 2
+# Small width (rho -> 0): alpha = alpha_bar rho, q_hat = rho / t
 # ---------------------------------------------------------------------------------------
+#
+# Prior side (any channel): S -> rho d eigenvalues near 1/sqrt(rho), seen in GOE noise of variance
+# Delta = 1/q_hat = t/rho, so the rescaled problem is a spike of strength 1 in noise t (BBP at t = 1):
+# m(t/rho, rho) -> 1 - [max(1 - t, 0)]^2, i.e. q = [max(1 - t, 0)]^2 (q = Q0 - m -> 1 - m).
+# Output side: q_hat = alpha I(q, 1 - q) gives t = 1 / (alpha_bar I(q, 1 - q)).
+# Softmax/linear, I = c / V: t = (1 - q) / (c alpha_bar); with 1 - q = t (2 - t) this is explicit,
+# t = 2 - c alpha_bar between the weak-recovery threshold 1/c and perfect recovery 2/c.
+
+_SMALL_WIDTH_METHODS = ("auto", "iterate", "closed_form")
 
 
-def small_width_alpha_bar_c(tokens=2) -> float:
-    """Weak-recovery threshold alpha_bar_c = 1 / (2 E[G^2]) at q = 0. T = 2: arcsin(1/3) closed
-    form; T = 3: E[G^2] = J(0) / 2 from the exact quadrature at omega = 0 (all 27 patterns)."""
-    if int(tokens) == 3:
-        return 1.0 / make_channel("hardmax", 3).J(0.0)
+def small_width_alpha_bar_c(tokens=2, activation="hardmax") -> float:
+    """Weak-recovery threshold of the small-width SE, alpha_bar_c = 1 / I(q = 0, V = 1), where the
+    uninformed fixed point q = 0 stops being one (t(q = 0) = 1).
+
+    softmax / linear: I = c_T / V, alpha_bar_c = 1 / c_T (softmax 1 / (T^2 + T - 2), any T, any
+    beta); hardmax T = 2: arcsin(1/3) closed form; T = 3: E[G^2] = J(0) / 2 from the exact
+    quadrature at omega = 0 (all 27 patterns)."""
+    ch = make_channel(activation, tokens)  # validates activation and tokens
+    if activation in ("softmax", "linear"):
+        return 1.0 / counting_constant(ch.tokens, activation)
+    if ch.tokens == 3:
+        return 1.0 / ch.J(0.0)
     return 1.0 / (2.0 * small_width_information_closed_form())
+
+
+def small_width_perfect_recovery(tokens=2, activation="softmax"):
+    """alpha_bar where the small-width mmse reaches 0: 2 / c_T for softmax / linear (t = 2 - c
+    alpha_bar = 0; the rho -> 0 limit of the counting threshold (2 rho - rho^2) / (c rho));
+    None for hardmax (power-law decay, no perfect recovery)."""
+    ch = make_channel(activation, tokens)
+    if activation in ("softmax", "linear"):
+        return 2.0 / counting_constant(ch.tokens, activation)
+    return None
+
+
+def small_width_mmse(alpha_bar, tokens=2, activation="softmax"):
+    """Closed-form small-width mmse of softmax / linear (vectorised in alpha_bar >= 0):
+    1 for c alpha_bar <= 1, 1 - (c alpha_bar - 1)^2 up to c alpha_bar = 2, then 0."""
+    if activation not in ("softmax", "linear"):
+        raise AimsymError("activation",
+                          f"the closed-form small-width mmse is for softmax or linear, got {activation!r}")
+    ch = make_channel(activation, tokens)
+    u = counting_constant(ch.tokens, activation) * np.asarray(alpha_bar, dtype=float)
+    return np.where(u <= 1.0, 1.0, 1.0 - (np.minimum(u, 2.0) - 1.0) ** 2)
 
 
 @dataclass
 class SmallWidthPoint(Result):
-    """Fixed point of the rescaled small-width SE (hardmax, rho -> 0) at one alpha_bar."""
+    """Fixed point of the rescaled small-width SE (rho -> 0) at one alpha_bar = alpha / rho;
+    t = rho / q_hat (0: perfect recovery), mmse = t (2 - t) for t < 1, else 1."""
 
     alpha_bar: float
     q: float
     t: float
     mmse: float
     iterations: int
+    tokens: int = 2
+    activation: str = "hardmax"
+    method: str = "iterate"
+    converged: bool = True
 
 
-def small_width_se(alpha_bar, *, init="uninformed", tol=1e-12, max_iter=5000, channel=None, tokens=2):
+def small_width_se(alpha_bar, *, init="uninformed", tol=1e-12, max_iter=5000, channel=None, tokens=2,
+                   activation="hardmax", method="auto"):
     """Rescaled SE for rho -> 0 (alpha = alpha_bar rho, q_hat = rho / t):
-    q = [max(1 - t, 0)]^2, t = 1 / (2 alpha_bar E[G^2](q)), E[G^2] at V = 1 - q; mmse = t (2 - t)
-    (1 when t >= 1). Uninformed start q = 1e-8 (q = 0 is always a fixed point)."""
+    q = [max(1 - t, 0)]^2, t = 1 / (alpha_bar I(q, 1 - q)) (hardmax: I = 2 E[G^2]);
+    mmse = t (2 - t) (1 when t >= 1).
+
+    method: "iterate" (uninformed start q = 1e-8, as q = 0 is a fixed point below threshold;
+    "informed" 1 - 1e-9), "closed_form" (softmax / linear: t = 1 / (c alpha_bar) below 1 / c,
+    2 - c alpha_bar up to 2 / c, 0 beyond: the attracting fixed point from any start q < 1),
+    "auto" = closed_form for softmax / linear, iterate for hardmax."""
     alpha_bar = float(alpha_bar)
     if not np.isfinite(alpha_bar) or alpha_bar <= 0:
         raise AimsymError("alpha_bar", f"must be a finite number > 0, got {alpha_bar}")
-    ch = channel or make_channel("hardmax", tokens)
+    if method not in _SMALL_WIDTH_METHODS:
+        raise AimsymError("method", f"small width: must be one of {', '.join(_SMALL_WIDTH_METHODS)}, got {method!r}")
+    if init not in ("uninformed", "informed"):
+        raise AimsymError("init", f"must be 'uninformed' or 'informed', got {init!r}")
+    ch = channel or make_channel(activation, tokens)
+    explicit = ch.activation in ("softmax", "linear")
+    if method == "closed_form" and not explicit:
+        raise AimsymError("method", f"closed_form is for softmax or linear; {ch.activation} needs 'iterate'")
+    if explicit and method in ("auto", "closed_form"):
+        u = counting_constant(ch.tokens, ch.activation) * alpha_bar
+        t = 1.0 / u if u <= 1.0 else max(2.0 - u, 0.0)
+        q = max(1.0 - t, 0.0) ** 2
+        t_eff = min(t, 1.0)
+        return SmallWidthPoint(alpha_bar=alpha_bar, q=q, t=t, mmse=t_eff * (2.0 - t_eff), iterations=0,
+                               tokens=ch.tokens, activation=ch.activation, method="closed_form")
     q = 1e-8 if init == "uninformed" else 1.0 - 1e-9
     t = np.inf
+    converged = False
+    it = 0
     for it in range(1, max_iter + 1):
-        EG2 = 0.5 * ch.information(q, 1.0 - q)
-        t = 1.0 / (2.0 * alpha_bar * EG2)
+        V = 1.0 - q
+        if V <= _MMSE_FLOOR:  # perfect recovery (softmax / linear above 2 / c): I = c / V diverges
+            q, t, converged = 1.0, 0.0, True
+            break
+        t = 1.0 / (alpha_bar * ch.information(q, V))
         q_new = max(1.0 - t, 0.0) ** 2
         if abs(q_new - q) < tol:
             q = q_new
+            converged = True
             break
         q = q_new
     t_eff = min(t, 1.0)
-    return SmallWidthPoint(alpha_bar=alpha_bar, q=q, t=t, mmse=t_eff * (2.0 - t_eff), iterations=it)
+    return SmallWidthPoint(alpha_bar=alpha_bar, q=q, t=t, mmse=t_eff * (2.0 - t_eff), iterations=it,
+                           tokens=ch.tokens, activation=ch.activation, method="iterate", converged=converged)
 
 
-def small_width_alpha_bar_c_numeric(tol=1e-10, tokens=2):
-    """alpha_bar_c located by bisection on where the small-width SE leaves q = 0
-    (linear stability: t(q = 0) = 1), with E[G^2] from the quadrature at q -> 0."""
-    if int(tokens) == 2:
+class _NumericInformation:
+    """A softmax / linear channel whose I(q, V) is computed through the link itself (Gauss-Hermite
+    over h - omega, y = softmax(beta h), the log-ratio recovery and the Gaussian posterior on the
+    shift line): no counting constant and no 1 / V law is used."""
+
+    def __init__(self, activation, tokens):
+        self.channel = make_channel(activation, tokens)
+        self.activation, self.tokens = activation, self.channel.tokens
+        L = len(channels_pairs(self.tokens))
+        self.n_nodes = 3 if L <= 6 else 2  # g is linear in h - omega: 2 nodes are already exact
+
+    def information(self, q, V):
+        return self.channel.information_numeric(V, n_nodes=self.n_nodes)
+
+
+def small_width_alpha_bar_c_numeric(tol=1e-10, tokens=2, activation="hardmax"):
+    """alpha_bar_c located numerically.
+
+    hardmax: root of t(q = 0) = 1 (linear stability), E[G^2] from the quadrature at q -> 0.
+    softmax / linear: bisection on alpha_bar for "the iterated small-width SE from the uninformed
+    start ends at q > 0", with the information I(q, V) computed through the link itself
+    (Gauss-Hermite over h; see ``_NumericInformation``), not from c_T / V."""
+    T = make_channel(activation, tokens).tokens
+    if activation in ("softmax", "linear"):
+        ch = _NumericInformation(activation, T)
+        lo, hi = 1e-3, 1e3
+        # below the threshold the iteration from q = 1e-8 lands exactly on the absorbing q = 0 within
+        # two steps; above it every iterate stays >= F(0) > 0 (F increases with q): 10 steps decide
+        learns = lambda ab: small_width_se(ab, channel=ch, method="iterate", max_iter=10).q > 0.0  # noqa: E731
+        if learns(lo) or not learns(hi):
+            raise AimsymError("alpha_bar", "weak-recovery threshold not bracketed in [1e-3, 1e3]")
+        while hi - lo > tol * hi:
+            mid = np.sqrt(lo * hi)
+            lo, hi = (lo, mid) if learns(mid) else (mid, hi)
+        return float(np.sqrt(lo * hi))
+    if T == 2:
         EG2 = 0.5 * HardmaxChannel().information(1e-16, 1.0)
     else:  # T = 3: the SE rule (quasi-Monte-Carlo over omega) at s = q / V = 1e-6
-        EG2 = 0.5 * make_channel("hardmax", tokens, 1.0).J(1e-6)
+        EG2 = 0.5 * make_channel("hardmax", T, 1.0).J(1e-6)
     f = lambda ab: 1.0 / (2.0 * ab * EG2) - 1.0  # noqa: E731
     return brentq(f, 1e-3, 1e3, xtol=tol)
+
+
+def small_width_gap(rho, alpha_bars, tokens=2, activation="softmax"):
+    """Finite-rho SE minus its small-width limit at the same alpha_bar: mmse(alpha = rho alpha_bar,
+    rho) - mmse_small_width(alpha_bar), one value per alpha_bar (the check that the finite-rho
+    curves approach the limit)."""
+    alpha_bars = np.atleast_1d(np.asarray(alpha_bars, dtype=float))
+    _check(0.0, rho)
+    finite = np.array([r.mmse for r in curve(alpha_bars * float(rho), rho, tokens, activation)])
+    limit = np.array([small_width_se(a, tokens=tokens, activation=activation).mmse for a in alpha_bars])
+    return finite - limit
 
 
 @dataclass
@@ -344,24 +462,24 @@ def thresholds(tokens, rho, activation="softmax", beta=1.0) -> AIMThresholds:
     """Perfect-recovery and weak-recovery thresholds (alpha = n / d^2).
 
     softmax/linear: perfect recovery by counting (and located numerically from the spectral
-    limit); no weak-recovery threshold (q > rho for every alpha > 0: the prior mean makes omega
-    informative). hardmax: no perfect recovery (power-law decay of the mmse); weak recovery only
-    in the small-width limit, alpha = rho * alpha_bar_c (at finite rho it is a crossover).
+    limit). hardmax: no perfect recovery (power-law decay of the mmse). Weak recovery, for every
+    activation, exists only in the small-width limit, alpha = rho * alpha_bar_c (at finite rho
+    q > rho for every alpha > 0: the prior mean makes omega informative, and the threshold is a
+    crossover); softmax/linear: alpha_bar_c = 1 / c_T.
     """
     _check(0.0, rho)
     make_channel(activation, tokens, beta)
-    pr = pr_numeric = weak = None
+    pr = pr_numeric = None
     if activation in ("softmax", "linear"):
         pr = perfect_recovery_counting(rho, tokens, activation)
         pr_numeric = perfect_recovery_numeric(rho, tokens, activation)
-    else:
-        ab = small_width_alpha_bar_c(tokens)
-        weak = {
-            "alpha": float(rho) * ab,
-            "alpha_bar": ab,
-            "alpha_bar_numeric": small_width_alpha_bar_c_numeric(tokens=tokens),
-            "regime": "small width rho -> 0 (alpha = rho * alpha_bar); a crossover at finite rho",
-        }
+    ab = small_width_alpha_bar_c(tokens, activation)
+    weak = {
+        "alpha": float(rho) * ab,
+        "alpha_bar": ab,
+        "alpha_bar_numeric": small_width_alpha_bar_c_numeric(tokens=tokens, activation=activation),
+        "regime": "small width rho -> 0 (alpha = rho * alpha_bar); a crossover at finite rho",
+    }
     return AIMThresholds(tokens=int(tokens), rho=float(rho), activation=activation, perfect_recovery=pr,
                          perfect_recovery_numeric=pr_numeric, weak_recovery=weak,
                          provenance=provenance(accuracy={"richardson_Delta": 1e-6}))

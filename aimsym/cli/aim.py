@@ -35,7 +35,8 @@ def register(subparsers) -> None:
     p.add_argument("--init", default="uninformed", help="uninformed or informed (with --method iterate)")
     p.add_argument("--damping", type=float, default=0.0, help="damping in [0, 1) (iterate)")
     p.add_argument("--small-width", action="store_true",
-                   help="hardmax T=2 or 3, rho -> 0: --alpha is alpha_bar = alpha / rho")
+                   help="rho -> 0 limit (softmax/linear any T: closed form; hardmax T=2 or 3): "
+                        "--alpha is alpha_bar = alpha / rho")
     p.set_defaults(func=_cmd_se)
 
     p = sub.add_parser("thresholds", help="perfect- and weak-recovery thresholds")
@@ -61,7 +62,7 @@ def register(subparsers) -> None:
     p = sub.add_parser("plot", help="write the AIM figures (PNG)")
     p.add_argument("--out", default="docs/figures", help="output directory")
     p.add_argument("--which", default="all",
-                   help="all or comma list of softmax,tokens,hardmax,small_width,amp,deep")
+                   help="all or comma list of softmax,tokens,hardmax,small_width,small_width_softmax,amp,deep")
     p.add_argument("--d", type=int, default=100, help="d for AMP/GD points")
     p.add_argument("--seeds", type=int, default=4, help="seeds for AMP/GD points")
     p.add_argument("--json", action="store_true")
@@ -74,17 +75,24 @@ def _cmd_se(args) -> int:
 
     alphas, is_list = parse_grid(args.alpha)
     if args.small_width:
-        if args.activation != "hardmax" or args.tokens not in (2, 3):
-            raise AimsymError("--small-width", "only for --activation hardmax --tokens 2 or 3")
-        rows = [se.small_width_se(a, init=args.init, tokens=args.tokens).to_json() for a in alphas]
+        if args.activation not in ("softmax", "linear", "hardmax"):
+            raise AimsymError("--activation", f"--small-width: softmax, linear or hardmax, got {args.activation!r}")
+        if args.activation == "hardmax" and args.tokens not in (2, 3):
+            raise AimsymError("--tokens", f"--small-width with hardmax: 2 or 3, got {args.tokens}")
+        if args.method not in ("auto", "iterate"):
+            raise AimsymError("--method", f"--small-width: auto or iterate, got {args.method!r}")
+        if np.any(alphas <= 0):
+            raise AimsymError("--alpha", "--small-width: alpha_bar = alpha / rho must be > 0")
+        rows = [se.small_width_se(a, init=args.init, tokens=args.tokens, activation=args.activation,
+                                  method=args.method).to_json() for a in alphas]
         for r in rows:
-            r["provenance"] = provenance(accuracy={"tol": 1e-12})
+            r["provenance"] = provenance(accuracy={"tol": 1e-12} if r["method"] == "iterate" else {})
     elif args.method == "iterate":
         rows = [se.iterate(a, args.rho, args.tokens, args.activation, args.beta, init=args.init,
                            damping=args.damping).to_dict() for a in alphas]
     else:
         rows = [r.to_dict() for r in se.curve(alphas, args.rho, args.tokens, args.activation, args.beta)]
-    return _emit(rows if is_list else rows[0], args, ("alpha", "alpha_bar", "q", "q_hat", "mmse"))
+    return _emit(rows if is_list else rows[0], args, ("alpha", "alpha_bar", "q", "q_hat", "t", "mmse"))
 
 
 def _cmd_thresholds(args) -> int:

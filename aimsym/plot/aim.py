@@ -9,7 +9,7 @@ import numpy as np
 
 from .se import save_figure
 
-FIGURES = ("softmax", "tokens", "hardmax", "small_width", "amp", "deep")
+FIGURES = ("softmax", "tokens", "hardmax", "small_width", "small_width_softmax", "amp", "deep")
 
 
 def _plt():
@@ -202,6 +202,63 @@ def fig_small_width(out, n_points=80):
     return _save(fig, out, "small_width", {"alpha_bar_c": abc})
 
 
+_GAP_RHOS = (0.1, 0.03, 0.01, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)  # the right panel of the full figure
+
+
+def fig_small_width_softmax(out, n_points=140, rhos=(0.1, 0.01, 1e-3, 1e-4), gap_rhos=None, tokens=2,
+                            table=None):
+    """Softmax at small width (AIM paper Fig. 5): mmse vs alpha_bar = alpha / rho for several rho
+    (finite-rho SE) and the rho -> 0 limit 1 - (c alpha_bar - 1)^2 on [1/c, 2/c], with the
+    weak-recovery threshold alpha_bar_c = 1/c and the limit's perfect recovery 2/c (vertical
+    lines). Right panel: the largest distance between the finite-rho curve and the limit over
+    the alpha_bar grid, vs rho (log-log, with the fitted slope). ``gap_rhos`` (default ``rhos``)
+    are the rho of the right panel; rows (rho, alpha_bar, mmse, limit, gap) go to ``table``."""
+    from ..aim import se
+
+    plt = _plt()
+    c = se.counting_constant(tokens, "softmax")
+    abc = se.small_width_alpha_bar_c(tokens, "softmax")
+    abc_num = se.small_width_alpha_bar_c_numeric(tokens=tokens, activation="softmax")
+    ab_pr = se.small_width_perfect_recovery(tokens, "softmax")
+    ab = np.linspace(1.4 * ab_pr / n_points, 1.4 * ab_pr, n_points)
+    lim = np.array([se.small_width_se(a, tokens=tokens, activation="softmax").mmse for a in ab])
+    gap_rhos = tuple(rhos if gap_rhos is None else gap_rhos)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.6), gridspec_kw={"width_ratios": [1.35, 1]})
+    sup = {}
+    for rho in _steps(sorted(set(rhos) | set(gap_rhos), reverse=True), "SE curves (rho)"):
+        res = se.softmax_curve(ab * rho, rho, tokens)
+        m = np.array([r.mmse for r in res])
+        gap = m - lim
+        sup[rho] = float(np.max(np.abs(gap)))
+        if rho in rhos:
+            ax.plot(ab, m, "--", label=f"SE rho = {rho:g}", zorder=3)
+        if table is not None:
+            table.extend({"rho": rho, "tokens": tokens, "alpha_bar": float(a), "alpha": float(a * rho),
+                          "mmse": float(r.mmse), "mmse_limit": float(lv), "gap": float(g),
+                          "q_hat": float(r.q_hat), "method": r.method,
+                          **{f"accuracy_{k}": v for k, v in r.accuracy.items()}}
+                         for a, r, lv, g in zip(ab, res, lim, gap))
+    ax.plot(ab, lim, "k", lw=2.5, label="rho -> 0 limit", zorder=2)
+    ax.axvline(abc, color="gray", lw=1, label=f"weak recovery alpha_bar_c = 1/{c:g}")
+    ax.axvline(ab_pr, color="gray", lw=1, ls=":", label=f"perfect recovery (rho -> 0) 2/{c:g} = {ab_pr:g}")
+    ax.set_xlim(0, ab[-1])
+    ax.set_xlabel("alpha_bar = alpha / rho = n / (d r)")
+    ax.set_ylabel("Bayes-optimal mmse")
+    ax.set_title(f"softmax (any beta), T = {tokens}, small width", fontsize=8)
+    ax.legend(fontsize=7)
+    r_arr = np.array(sorted(sup))
+    s_arr = np.array([sup[r] for r in r_arr])
+    slope = float(np.polyfit(np.log(r_arr[:3]), np.log(s_arr[:3]), 1)[0]) if len(r_arr) >= 3 else float("nan")
+    bx.loglog(r_arr, s_arr, "o-", ms=4, label=f"max |SE - limit| (slope {slope:.2f} at the 3 smallest rho)")
+    bx.set_xlabel("rho = r / d")
+    bx.set_ylabel("max over alpha_bar of |mmse_rho - mmse_limit|")
+    bx.set_title("approach to the rho -> 0 limit", fontsize=8)
+    bx.legend(fontsize=7)
+    meta = {"tokens": tokens, "alpha_bar_c": abc, "alpha_bar_c_numeric": abc_num, "alpha_bar_perfect_recovery": ab_pr,
+            "max_gap": {f"{r:g}": sup[r] for r in r_arr}, "gap_slope_smallest_3": slope}
+    return _save(fig, out, "small_width_softmax", meta), meta
+
+
 def fig_amp(out, d=100, n_seeds=4):
     """AMP trajectories (error per iteration) against the SE fixed point, softmax T = 2."""
     from ..aim import amp, se
@@ -298,6 +355,8 @@ def make_all(out="docs/figures", which=None, d=100, n_seeds=4):
         raise AimsymError("--which", f"unknown figure {bad[0]!r}; choose from {', '.join(FIGURES)}")
     makers = {"softmax": lambda: fig_softmax(out), "tokens": lambda: fig_tokens(out, d, n_seeds),
               "hardmax": lambda: fig_hardmax(out, min(d, 80), max(2, n_seeds - 1)),
-              "small_width": lambda: fig_small_width(out), "amp": lambda: fig_amp(out, d),
+              "small_width": lambda: fig_small_width(out),
+              "small_width_softmax": lambda: fig_small_width_softmax(out, gap_rhos=_GAP_RHOS)[0],
+              "amp": lambda: fig_amp(out, d),
               "deep": lambda: fig_deep(out)}
     return [makers[w]() for w in which]
