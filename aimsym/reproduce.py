@@ -63,6 +63,10 @@ class PaperFigure:
     status: str = AVAILABLE
     reason: str = ""
     draw: Callable[[Path, bool], dict] | None = field(default=None, repr=False, compare=False)
+    # relative tolerance for curves without error bars when a quick run is compared with the full
+    # one (compare_runs): set where those curves are deterministic (closed forms, solvers at a fixed
+    # tolerance); None: Monte Carlo curves drawn without error bars are not compared
+    line_rtol: float | None = None
 
     def command(self, quick: bool = False) -> str | None:
         return f"aimsym reproduce {self.name}" + (" --quick" if quick else "") if self.status == AVAILABLE else None
@@ -186,7 +190,7 @@ def _aim_fig1_left(work: Path, quick: bool) -> dict:
 def _aim_fig1_right(work: Path, quick: bool) -> dict:
     from .plot.aim import fig_small_width
 
-    n = 8 if quick else 80
+    n = 8 if quick else 78  # quick: every 11th point of the full grid
     fig_small_width(work, n_points=n)
     return {"settings": {"rho": [0.01, 0.05, 0.2], "alpha_bar": [0.05, 4.0], "n_points": n, "tokens": 2,
                          "activation": "hardmax"}}
@@ -231,7 +235,8 @@ def _aim_fig5(work: Path, quick: bool) -> dict:
     from .plot.aim import _GAP_RHOS, fig_small_width_softmax
 
     rhos = (0.1, 0.01, 1e-3, 1e-4)
-    kw = dict(n_points=15, rhos=rhos, gap_rhos=rhos) if quick else dict(n_points=140, rhos=rhos, gap_rhos=_GAP_RHOS)
+    # quick: every 10th point of the full grid (alpha_bar_k = k * 1.4 alpha_bar_PR / n_points)
+    kw = dict(n_points=15, rhos=rhos, gap_rhos=rhos) if quick else dict(n_points=150, rhos=rhos, gap_rhos=_GAP_RHOS)
     points: list[dict] = []
     _, meta = fig_small_width_softmax(work, tokens=2, table=points, **kw)
     return {"settings": {"tokens": 2, "activation": "softmax", "beta": "any (the SE does not depend on it)",
@@ -289,23 +294,23 @@ FIGURES: tuple[PaperFigure, ...] = (
                 "decay at large alpha; AMP points (d = 100, 16 data sets in the paper)", draw=_aim_fig1_left),
     PaperFigure("aim-fig1-right", "AIM", "Fig. 1 (right)",
                 "hardmax, T = 2 at small width: error vs alpha_bar = alpha / rho, the rho -> 0 limit and the "
-                "weak-recovery threshold alpha_bar_c (grey line)", draw=_aim_fig1_right),
+                "weak-recovery threshold alpha_bar_c (grey line)", draw=_aim_fig1_right, line_rtol=1e-6),
     PaperFigure("aim-fig2-left", "AIM", "Fig. 2 (left)",
                 "softmax (any beta), T = 2: Bayes-optimal error vs alpha for several rho; zero error at a finite "
-                "alpha (the counting threshold, ticks)", draw=_aim_fig2_left),
+                "alpha (the counting threshold, ticks)", draw=_aim_fig2_left, line_rtol=1e-6),
     PaperFigure("aim-fig2-right", "AIM", "Fig. 2 (right)",
                 "softmax, rho = 0.5: the error vs alpha rescaled by (T^2 + T - 2) is the same curve for every T; "
                 "AMP, Adam (GD) and averaged GD (AGD) points", draw=_aim_fig2_right),
     PaperFigure("aim-fig3", "AIM", "Fig. 3",
                 "linear-output baseline, T = 2: Bayes-optimal error vs alpha for several rho; recovery at the "
-                "counting threshold (ticks)", draw=_aim_fig3),
+                "counting threshold (ticks)", draw=_aim_fig3, line_rtol=1e-6),
     PaperFigure("aim-fig4", "AIM", "Fig. 4",
                 "softmax, T = 4 and 5: state-evolution error vs alpha with AMP points (d = 120, 16 data sets in "
                 "the paper)", draw=_aim_fig4),
     PaperFigure("aim-fig5", "AIM", "Fig. 5",
                 "softmax, T = 2 at low width: error vs alpha_bar = n / (d r) for several rho, the rho -> 0 limit "
                 "and the predicted weak-recovery threshold alpha_bar_c = 1 / (T^2 + T - 2) (grey line)",
-                draw=_aim_fig5),
+                draw=_aim_fig5, line_rtol=1e-6),
     PaperFigure("erm-errors", "ERM", "test and train errors",
                 "factorised tied attention (PSD nuclear norm): test error (solid) and train error (dotted) vs "
                 "alpha for weight decay lambda = 0.001, 0.01, 0.1, with Adam points", draw=_erm("lam")),
@@ -345,6 +350,53 @@ def listing() -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- running one
+def _read_rows(path: Path) -> dict[tuple, tuple[float, float]]:
+    """(panel, series, kind, x) -> (y, yerr) of a figure CSV (x rounded to 10 significant digits)."""
+    out = {}
+    with open(path, newline="") as fh:
+        for r in csv.DictReader(fh):
+            try:
+                x, y = float(r["x"]), float(r["y"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            err = float(r.get("yerr") or "nan")
+            out[(r["panel"], r["series"], r["kind"], float(f"{x:.10g}"))] = (y, err)
+    return out
+
+
+def compare_runs(quick_csv, full_csv, *, z: float = 4.0, line_rtol: float | None = None) -> dict:
+    """A quick run's data against a full run's at their shared points: rows with the same panel,
+    series, kind and x. Where both carry an error bar the values must agree within ``z`` combined
+    standard errors; where either has none, within ``line_rtol`` relative (deterministic curves),
+    or not at all if it is None (counted in ``unchecked``). Returns the counts and the
+    disagreements (``ok`` False if any point fails)."""
+    rtol = 1e-9 if line_rtol is None else line_rtol
+    q, f = _read_rows(Path(quick_csv)), _read_rows(Path(full_csv))
+    shared = sorted(set(q) & set(f), key=str)
+    fails, worst, unchecked = [], 0.0, 0
+    for key in shared:
+        (yq, eq), (yf, ef) = q[key], f[key]
+        if not (np.isfinite(yq) and np.isfinite(yf)):
+            if np.isfinite(yq) != np.isfinite(yf):
+                fails.append({"point": list(key), "quick": yq, "full": yf, "why": "finite in one run only"})
+            continue
+        if np.isfinite(eq) and np.isfinite(ef):
+            scale = z * float(np.hypot(eq, ef)) + rtol * max(1.0, abs(yf))
+            what = f"{z:g} combined standard errors"
+        elif line_rtol is None:
+            unchecked += 1
+            continue
+        else:
+            scale = rtol * max(1.0, abs(yf))
+            what = f"relative {rtol:g} (no error bar)"
+        ratio = abs(yq - yf) / scale if scale > 0 else (0.0 if yq == yf else np.inf)
+        worst = max(worst, ratio)
+        if ratio > 1:
+            fails.append({"point": list(key), "quick": yq, "full": yf, "allowed": scale, "rule": what})
+    return {"shared_points": len(shared), "unchecked": unchecked, "quick_points": len(q), "full_points": len(f),
+            "worst_ratio": worst, "failures": fails, "ok": not fails}
+
+
 def _write_csv(path: Path, rows: list[dict]) -> None:
     cols = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as fh:

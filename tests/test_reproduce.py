@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +31,10 @@ PAPER_FIGURES = {
 UNAVAILABLE = {"smi-fig3-right"}  # external data (TREC)
 NOT_IMPLEMENTED: set[str] = set()
 AVAILABLE = [n for n in PAPER_FIGURES.values() if n not in UNAVAILABLE | NOT_IMPLEMENTED]
+# full-run data committed in docs/figures/reproduce/full/NAME/ (`aimsym reproduce NAME --out ...`),
+# with the number of points the quick run shares with it
+FULL = Path(__file__).resolve().parent.parent / "docs" / "figures" / "reproduce" / "full"
+MIN_SHARED: dict[str, int] = {}
 SLOW = {"smi-fig3-left", "smi-figA5", "erm-errors", "erm-models", "erm-spectra", "erm-rank", "erm-beta-T", "erm-seq"}
 
 
@@ -317,6 +322,56 @@ def test_quick_run_writes_files_and_agrees_with_the_solver(name, tmp_path):
     data = [r for r in rows if r["kind"] in ("line", "points", "errorbar", "bar")]
     assert data and all(math.isfinite(r["x"]) and math.isfinite(r["y"]) for r in data), name
     CHECKS[name](rows, rec)
+    full = FULL / name / f"{name}.csv"
+    if full.is_file():  # the full run's committed data: the quick run must agree at the shared points
+        cmp = reproduce.compare_runs(out / f"{name}.csv", full, line_rtol=reproduce.lookup(name).line_rtol)
+        assert cmp["shared_points"] >= MIN_SHARED.get(name, 1), cmp
+        assert cmp["ok"], cmp["failures"][:5]
+
+
+def test_full_run_data_are_committed_where_listed():
+    """docs/reproduce.md lists the figures whose full-run data are committed; the folder holds them."""
+    have = sorted(p.name for p in FULL.iterdir() if (p / f"{p.name}.csv").is_file()) if FULL.is_dir() else []
+    assert have == sorted(MIN_SHARED)
+    for name in have:
+        rec = json.loads((FULL / name / f"{name}.json").read_text())
+        assert rec["quick"] is False and rec["name"] == name
+
+
+def _csv(path, rows):
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["panel", "series", "kind", "x", "y", "yerr"])
+        w.writerows(rows)
+    return path
+
+
+def test_compare_runs_uses_the_error_bars_and_only_shared_points(tmp_path):
+    full = _csv(tmp_path / "f.csv", [[0, "Q", "errorbar", 0.5, 0.40, 0.01], [0, "Q", "errorbar", 0.7, 0.60, 0.01],
+                                     [0, "theory", "line", 0.5, 0.25, "nan"], [0, "Q", "errorbar", 0.9, 0.8, 0.01]])
+    agree = _csv(tmp_path / "a.csv", [[0, "Q", "errorbar", 0.5, 0.43, 0.02], [0, "theory", "line", 0.5, 0.25, "nan"],
+                                      [0, "Q", "errorbar", 0.55, 9.0, 0.01]])  # x = 0.55 is not shared
+    r = reproduce.compare_runs(agree, full, line_rtol=1e-6)
+    assert r["ok"] and r["shared_points"] == 2 and r["unchecked"] == 0 and 0.3 < r["worst_ratio"] < 1
+    r = reproduce.compare_runs(agree, full)  # Monte Carlo lines without error bars: not compared
+    assert r["ok"] and r["unchecked"] == 1
+    off = _csv(tmp_path / "o.csv", [[0, "Q", "errorbar", 0.5, 0.52, 0.01], [0, "theory", "line", 0.5, 0.2500001, "nan"]])
+    r = reproduce.compare_runs(off, full, line_rtol=1e-6)  # 0.12 apart at 0.014 combined: 8.5 errors; the line 4e-7 relative
+    assert not r["ok"] and [f["point"][1] for f in r["failures"]] == ["Q"]
+    line = _csv(tmp_path / "l.csv", [[0, "theory", "line", 0.5, 0.26, "nan"]])
+    assert not reproduce.compare_runs(line, full, line_rtol=1e-6)["ok"]  # a deterministic curve: to rtol
+
+
+def test_cli_compare_exit_code(tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(["reproduce", "aim-fig5", "--quick", "--out", str(out)]) == 0
+    same = out / "aim-fig5.csv"
+    assert main(["reproduce", "aim-fig5", "--quick", "--out", str(tmp_path / "q2"), "--compare", str(same)]) == 0
+    assert "agree" in capsys.readouterr().out
+    rows = _rows(same)
+    bad = _csv(tmp_path / "bad.csv", [[r["panel"], r["series"], r["kind"], r["x"], r["y"] + 0.1, r["yerr"]] for r in rows])
+    assert main(["reproduce", "aim-fig5", "--quick", "--out", str(tmp_path / "q3"), "--compare", str(bad)]) == 1
+    assert main(["reproduce", "aim-fig5", "--quick", "--compare", str(tmp_path / "none.csv")]) == 2
 
 
 def test_cli_run_prints_the_files(tmp_path, capsys):
