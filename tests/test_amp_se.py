@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import aimsym
+from aimsym.errors import AimsymError
 from aimsym.smi.amp import gamp, run_amp
 from aimsym.smi.data import teacher_student
 
@@ -150,6 +151,30 @@ def test_quadrature_audit_detects_a_coarse_rule():
     assert fine.quadrature["max_error"] < coarse.quadrature["max_error"] / 10
     controlled = run_amp(model, d=100, alpha=0.5, seeds=1, max_iter=3, den=model.denoiser())
     assert not controlled.quadrature["audited"] and "error-controlled" in controlled.quadrature["note"]
+    qc = controlled.quadrature  # its own record: every evaluation, with the estimates against tol
+    assert qc["evaluations"] == 3 * 50 and len(qc["per_iteration"]) == 3
+    assert qc["missed"] == sum(r["missed"] for r in qc["per_iteration"])
+    assert qc["max_error"] <= qc["tol"] or qc["missed"] > 0
+
+
+def test_amp_denoiser_tolerance_follows_the_statistical_error():
+    """'auto': error-controlled at 0.1 / sqrt(n) (clipped to [1e-8, 1e-3]) where the reduced
+    integral has dimension >= 3; the audited fixed rule below (see AMP_CONTROLLED_MIN_DIM);
+    explicit nodes or None always give the fixed rule; a number is used as given."""
+    from aimsym.smi.amp import amp_tol, make_denoiser
+
+    assert amp_tol(100) == pytest.approx(1e-3) and amp_tol(10**6) == pytest.approx(1e-4)
+    assert amp_tol(10**20) == 1e-8 and amp_tol(1) == 1e-3
+    l3 = aimsym.load("attention_L2_T3", skip=1.0)
+    assert make_denoiser(l3, 10**6).tol == pytest.approx(1e-4)
+    assert make_denoiser(l3, 100, denoiser_tol=1e-5).tol == pytest.approx(1e-5)
+    assert make_denoiser(l3, 100, nodes=8).tol is None and make_denoiser(l3, 100, denoiser_tol=None).tol is None
+    l2 = aimsym.load("attention_L2_T2", skip=1.0)
+    assert make_denoiser(l2, 100).tol is None and make_denoiser(l2, 100, denoiser_tol=1e-6).tol == 1e-6
+    with pytest.raises(AimsymError):
+        make_denoiser(l3, 100, denoiser_tol="fast")
+    with pytest.raises(AimsymError):
+        make_denoiser(l3, 100, denoiser_tol=-1.0)
 
 
 def test_held_layer_blocks_or_enables_the_first():

@@ -32,7 +32,11 @@ def register(subparsers) -> None:
     p.add_argument("--max-iter", type=int, default=50, help="maximum iterations (default 50)")
     p.add_argument("--tol", type=float, default=1e-4, help="stop when the rms change of W_hat < tol")
     p.add_argument("--nodes", type=int, default=None,
-                   help="Gauss-Hermite points per dimension of the denoiser (default: 16 for 2-D integrals)")
+                   help="a fixed Gauss-Hermite rule of this many points per dimension (audited after the run) "
+                        "instead of the error-controlled denoiser")
+    p.add_argument("--denoiser-tol", default="auto", metavar="TOL",
+                   help="the denoiser's error tolerance per sample: 'auto' (0.1 / sqrt(n), a tenth of the "
+                        "statistical error over the n samples; the default) or a number")
     p.set_defaults(func=_run_amp)
 
     g = subparsers.add_parser("gd", help="gradient-descent baselines on teacher-student data")
@@ -109,7 +113,8 @@ def _run_amp(args) -> int:
     model = _load(args)
     res = run_amp(model, d=args.d, alpha=args.alpha, seeds=args.seeds, seed=args.seed, lam=args.lam,
                   damping=args.damping, max_iter=args.max_iter, tol=args.tol, init_scale=args.init_scale,
-                  n_test=args.n_test, nodes=args.nodes, progress=not args.quiet and sys.stderr.isatty())
+                  n_test=args.n_test, nodes=args.nodes, progress=not args.quiet and sys.stderr.isatty(),
+                  denoiser_tol=_denoiser_tol(args.denoiser_tol))
     M, se = res.final["M"], res.final["M_stderr"]
     lines = [f"GAMP {model.name} {model.parameters} d={args.d} alpha={args.alpha} seeds={args.seeds}: "
              f"{res.iterations} iterations, converged {res.converged}",
@@ -127,10 +132,25 @@ def _run_amp(args) -> int:
             lines.append(f"quadrature at iteration {r['iteration']} (tr V / p = {r['V_scale']:.1e}): error {err} "
                          f"(against the error-controlled rule on {r['samples'] - r['reference_missed_tol']} of "
                          f"{r['samples']} inputs)")
+    elif qa.get("evaluations"):
+        lines.append(f"quadrature: error-controlled at tol {qa['tol']:.1e} per sample; {qa['missed']} of "
+                     f"{qa['evaluations']} evaluations above tol (largest estimate {qa['max_error']:.1e})")
     else:
         lines.append(f"quadrature: {qa.get('note', 'not audited')}")
     _emit(args, res, lines)
     return 0
+
+
+def _denoiser_tol(raw: str):
+    if raw == "auto":
+        return raw
+    try:
+        v = float(raw)
+    except ValueError:
+        raise AimsymError("--denoiser-tol", f"must be 'auto' or a number > 0, got {raw!r}") from None
+    if not (v > 0 and v < 1):
+        raise AimsymError("--denoiser-tol", f"must be 'auto' or a number in (0, 1), got {raw!r}")
+    return v
 
 
 def _run_gd(args) -> int:
