@@ -53,6 +53,16 @@ def _adjoint(data, G_vec, tokens):
     return np.einsum("nk,nkij->ij", G_vec, data.X, optimize=True)
 
 
+def effective_observation(data, S_hat, g, A, tokens, Q0):
+    """GAMP's input-side step for one matrix: R = S_hat + (1/A) sum_mu g_mu . X_mu, its noise
+    variance Delta = d / (2 A), and the measured noise power Tr(R^2)/d - (Q0 + 1/d) (which should
+    match Delta up to O(1/d); the safeguards compare the two). ``data`` supplies the sensing
+    matrices (``X``, ``sensing``)."""
+    d = S_hat.shape[0]
+    R = S_hat + _adjoint(data, g, tokens) / A
+    return R, d / (2.0 * A), float(np.sum(R * R) / d) - (Q0 + 1.0 / d)
+
+
 def gaussian_denoise(R, rho, Delta, with_variance=False):
     """Exact posterior mean for the prior S = sqrt(rho) I + GOE observed as R = S + sqrt(Delta) GOE
     (linear shrinkage), with the variance 2 Delta div / d^2 = Delta (d + 1) / (d (1 + Delta))."""
@@ -370,9 +380,7 @@ def run(data: AIMData, tokens=2, activation="softmax", beta=1.0, *, iterations=8
             A = -np.sum(dg * w) / d if np.all(np.isfinite(dg)) else np.nan
         ok = np.isfinite(A) and A > 0 and np.all(np.isfinite(g))
         if ok:
-            R = S_hat + _adjoint(data, g, T) / A
-            Delta = d / (2.0 * A)
-            power = float(np.sum(R * R) / d) - (Q0 + 1.0 / d)
+            R, Delta, power = effective_observation(data, S_hat, g, A, T, Q0)
             # the first steps from the prior mean overshoot transiently (ratio up to ~2)
             ok = np.isfinite(power) and (power <= noise_ratio_max * Delta or it <= 3)
         if not ok:

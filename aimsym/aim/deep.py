@@ -98,9 +98,12 @@ class TwoLayerChannel:
         self.xi = grid
         self.log_w = np.log(np.prod(np.stack(np.meshgrid(w, w, w, indexing="ij"), -1).reshape(-1, 3), -1) / (2 * np.pi) ** 1.5)
 
-    def scores(self, e, omega1, omega2, V1, V2):
-        """log Z, g1, g2 for a batch: e (n, 2), omega_l (n, 3). The 2 x 3 algebra is written out
-        elementwise (much faster than batched einsum on tiny matrices)."""
+    def _posterior(self, e, omega1, omega2, V1, V2):
+        """The H_1 rule's posterior weights and the per-node Gaussian H_2 step, shared by
+        ``scores`` and ``denoise``. The 2 x 3 algebra is written out elementwise (much faster than
+        batched einsum on tiny matrices). Returns log Z (n,), weights p (n, K), s1 = sqrt(w V1),
+        the rows La, Lb of L(H_1) per node (3 arrays (n, K) each), u = C^-1 (e - L omega2) and
+        the inverse covariance C^-1 = (Cbb, Caa, -Cab) / det per node."""
         s1 = np.sqrt(_W * V1)
         H1 = omega1[:, None, :] + s1 * self.xi[None]  # (n, K, 3)
         z = self.beta * H1
@@ -120,16 +123,41 @@ class TwoLayerChannel:
         Cab = sum(La[j] * Lb[j] * wv[j] for j in range(3))
         ra = e[:, 0:1] - sum(La[j] * omega2[:, j : j + 1] for j in range(3))
         rb = e[:, 1:2] - sum(Lb[j] * omega2[:, j : j + 1] for j in range(3))
-        det = Caa * Cbb - Cab * Cab
+        # M singular (both rows of softmax saturated) makes C singular: floor det relative to Caa Cbb
+        det = np.maximum(Caa * Cbb - Cab * Cab, 1e-12 * Caa * Cbb + 1e-300)
         ua = (Cbb * ra - Cab * rb) / det
         ub = (Caa * rb - Cab * ra) / det
         loglik = -0.5 * (ra * ua + rb * ub) - 0.5 * np.log(det) - np.log(2 * np.pi)
         logp = self.log_w[None] + loglik
         logZ = logsumexp(logp, axis=1)
         p = np.exp(logp - logZ[:, None])
+        return logZ, p, s1, La, Lb, ua, ub, (Cbb / det, Caa / det, -Cab / det)
+
+    def scores(self, e, omega1, omega2, V1, V2):
+        """log Z, g1, g2 for a batch: e (n, 2), omega_l (n, 3)."""
+        logZ, p, s1, La, Lb, ua, ub, _ = self._posterior(e, omega1, omega2, V1, V2)
         g1 = (p @ self.xi) / s1
         g2 = np.stack([np.sum(p * (La[j] * ua + Lb[j] * ub), axis=1) for j in range(3)], -1)
         return logZ, g1, g2
+
+    def denoise(self, e, omega1, omega2, V1, V2):
+        """GAMP output step: g_l = d log Z / d omega_l and the diagonal of d g_l / d omega_l
+        (entries (11, 12, 22)); the cross-layer block d g_1 / d omega_2 is not used (one overlap
+        per layer, as in the SE). With H_1 = omega_1 + s1 xi on the rule:
+        g1 = E_p[xi] / s1, dg1 = (Var_p[xi] - 1) / s1^2; per node the H_2 step is Gaussian,
+        v = L^T u, so g2 = E_p[v], dg2 = E_p[v^2] - g2^2 - E_p[(L^T C^-1 L)_kk]."""
+        _, p, s1, La, Lb, ua, ub, (Iaa, Ibb, Iab) = self._posterior(e, omega1, omega2, V1, V2)
+        m1 = p @ self.xi
+        g1 = m1 / s1
+        dg1 = (p @ self.xi**2 - m1**2 - 1.0) / s1**2
+        g2 = np.empty_like(g1)
+        dg2 = np.empty_like(g1)
+        for j in range(3):
+            v = La[j] * ua + Lb[j] * ub
+            prec = La[j] ** 2 * Iaa + 2 * La[j] * Lb[j] * Iab + Lb[j] ** 2 * Ibb
+            g2[:, j] = np.sum(p * v, axis=1)
+            dg2[:, j] = np.sum(p * (v * v - prec), axis=1) - g2[:, j] ** 2
+        return g1, g2, dg1, dg2
 
 
 def information(q1, q2, rho1, rho2, channel: TwoLayerChannel, *, n_outer=2048, n_scrambles=4, seed=0):
@@ -210,4 +238,243 @@ def state_evolution(alpha, rho1=0.5, rho2=0.5, skip=1.0, beta=1.0, *, damping=0.
         iterations=it, history=hist,
         provenance=provenance(seed=seed, accuracy={"n_inner": n_inner, "n_outer": n_outer,
                                                    "n_scrambles": n_scrambles, "tol": tol}),
+    )
+
+
+# --- GAMP at finite d -------------------------------------------------------------------------
+
+
+@dataclass
+class TwoLayerData:
+    """Two-layer AIM data at finite d: tokens X (n, d, 2), labels y (n, 2, 2), teachers S_1, S_2
+    (widths r_l = rho_l d; ``rho1``, ``rho2`` are the ratios actually used)."""
+
+    X: np.ndarray
+    y: np.ndarray
+    S1: np.ndarray
+    S2: np.ndarray
+    rho1: float
+    rho2: float
+    alpha: float
+    skip: float
+    beta: float
+    seed: int | None
+    sensing: str = "rank1"  # the sensing matrices are the tokens' (amp.effective_observation)
+
+
+def generate(d, alpha, rho1=0.5, rho2=0.5, skip=1.0, beta=1.0, seed=0) -> TwoLayerData:
+    """Teachers S_l = W_l W_l^T / sqrt(r_l d), tokens and labels y = softmax_rows(beta M H_2 M^T)
+    from an explicit seed (T = 2)."""
+    from .data import check_size, index_matrices, teacher
+
+    d, n = check_size(d, alpha, min(rho1, rho2))
+    if not np.isfinite(skip) or skip <= 0:
+        raise AimsymError("skip", f"must be > 0, got {skip}")
+    if not np.isfinite(beta) or beta <= 0:
+        raise AimsymError("beta", f"must be > 0, got {beta}")
+    rng = np.random.default_rng(seed)
+    S1, r1 = teacher(d, rho1, rng)
+    S2, r2 = teacher(d, rho2, rng)
+    X = rng.standard_normal((n, d, 2))
+    y = forward_indices(index_matrices(S1, X), index_matrices(S2, X), skip, beta)
+    return TwoLayerData(X, y, S1, S2, r1, r2, float(alpha), float(skip), float(beta), seed)
+
+
+@dataclass
+class TwoLayerGAMPRun(Result):
+    """One two-layer GAMP run: per layer the final error ||S_hat_l - S_l||^2 / d, the overlap
+    Tr(S_hat_l S_l) / d and the predicted V_l; iteration count, flags, per-iteration history."""
+
+    mmse1: float
+    mmse2: float
+    overlap1: float
+    overlap2: float
+    V1: float
+    V2: float
+    iterations: int
+    rejected_steps: int
+    unstable: bool
+    final_damping: float
+    seconds_per_iteration: float
+    history: list
+    S_hat1: np.ndarray
+    S_hat2: np.ndarray
+
+
+def gamp(data: TwoLayerData, *, iterations=60, damping=0.5, n_inner=8, tol=1e-6, noise_ratio_max=2.5,
+         max_damping=0.95, callback=None) -> TwoLayerGAMPRun:
+    """Isotropic GAMP-RIE for the two-layer model, one matrix estimate per layer (the algorithm
+    whose state evolution is :func:`state_evolution`). Per iteration, for l = 1, 2:
+
+        omega_l = <X_k, S_hat_l> - w_k V_l g_l^prev           (Onsager, w = 2 diagonal, 1 off)
+        g_l, dg_l = TwoLayerChannel.denoise(e, omega_1, omega_2, V_1, V_2)   (joint output step)
+        A_l = -(1/d) sum_mu sum_k w_k dg_{l,k}
+        R_l, Delta_l = amp.effective_observation(...)          (R_l = S_hat_l + (1/A_l) sum g_l . X)
+        S_hat_l, V_l = RIE(R_l; rho_l, Delta_l), V_l from the divergence (amp.rie_denoise)
+
+    Both layers are sensed by the same X; the cross-layer Jacobian d g_1 / d omega_2 (and the
+    cross precision it would give) is dropped, as the SE drops the cross overlap. Damping and the
+    noise-power safeguard are those of the one-layer ``amp.run`` (isotropic form): a step whose
+    noise power exceeds ``noise_ratio_max`` Delta_l in either layer after iteration 3 is redone with
+    more damping (1 - damping halves); at ``max_damping`` the last accepted estimate is returned,
+    flagged ``unstable``. ``callback(iteration, record)`` is called after each accepted step."""
+    import time
+
+    from .amp import effective_observation, rie_denoise
+    from .channels import entry_weights, to_vector
+    from .data import index_matrices
+
+    if not 0.0 <= damping < 1.0:
+        raise AimsymError("damping", f"must lie in [0, 1), got {damping}")
+    ch = TwoLayerChannel(data.skip, data.beta, n_inner)
+    X, d = data.X, data.S1.shape[0]
+    w = entry_weights(2)
+    e = _reveal(data.y, data.beta)
+    rho = (data.rho1, data.rho2)
+    teachers = (data.S1, data.S2)
+    Q0 = [prior_second_moment(r) for r in rho]
+    S_hat = [np.sqrt(r) * np.eye(d) for r in rho]
+    V = [Q0[l] - rho[l] for l in range(2)]  # = m(inf) = 1
+    g_prev = [np.zeros((X.shape[0], 3)), np.zeros((X.shape[0], 3))]
+    last = None  # (S_before, V_before, S_proposed, V_proposed, g) of the last accepted step
+    history, rejected, unstable, it, it_last = [], 0, False, 0, None
+    t0 = time.perf_counter()
+    while it < iterations:
+        it += 1
+        omega = [to_vector(index_matrices(S_hat[l], X), 2) - w * V[l] * g_prev[l] for l in range(2)]
+        g1, g2, dg1, dg2 = ch.denoise(e, omega[0], omega[1], V[0], V[1])
+        g = [g1, g2]
+        A = [-np.sum(dg * w) / d for dg in (dg1, dg2)]
+        ok = all(np.isfinite(a) and a > 0 for a in A) and np.all(np.isfinite(g1)) and np.all(np.isfinite(g2))
+        obs = []
+        if ok:
+            obs = [effective_observation(data, S_hat[l], g[l], A[l], 2, Q0[l]) for l in range(2)]
+            ok = all(np.isfinite(p) and (p <= noise_ratio_max * D or it <= 3) for _, D, p in obs)
+        if not ok:
+            if last is None:
+                raise AimsymError("damping", f"two-layer AMP unstable at its first iteration (alpha={data.alpha})")
+            if damping >= max_damping:
+                S_hat, V = last[0], last[1]
+                unstable = True
+                break
+            damping = 1.0 - 0.5 * (1.0 - damping)
+            S_b, V_b, S_p, V_p, g_p = last
+            S_hat = [(1.0 - damping) * S_p[l] + damping * S_b[l] for l in range(2)]
+            V = [(1.0 - damping) * V_p[l] + damping * V_b[l] for l in range(2)]
+            g_prev = g_p
+            rejected += 1
+            if history and history[-1]["iteration"] == it_last:
+                history.pop()  # that step is being redone
+            continue
+        new = [rie_denoise(R, rho[l], D, with_variance=True) for l, (R, D, _) in enumerate(obs)]
+        last = (S_hat, V, [s for s, _ in new], [v for _, v in new], g)
+        it_last = it
+        V_old = V
+        S_hat = [(1.0 - damping) * new[l][0] + damping * S_hat[l] for l in range(2)]
+        V = [(1.0 - damping) * new[l][1] + damping * V[l] for l in range(2)]
+        g_prev = g
+        rec = {"iteration": it, "damping": damping}
+        for l in range(2):
+            rec[f"mmse{l + 1}"] = float(np.sum((S_hat[l] - teachers[l]) ** 2) / d)
+            rec[f"overlap{l + 1}"] = float(np.sum(S_hat[l] * teachers[l]) / d)
+            rec[f"V{l + 1}"] = float(V[l])
+            rec[f"Delta{l + 1}"] = float(obs[l][1])
+            rec[f"noise_ratio{l + 1}"] = obs[l][2] / obs[l][1]
+        history.append(rec)
+        if callback is not None:
+            callback(it, rec)
+        if max(abs(V[l] - V_old[l]) / max(V[l], 1e-12) for l in range(2)) < tol:
+            break
+    elapsed = time.perf_counter() - t0
+    err = [float(np.sum((S_hat[l] - teachers[l]) ** 2) / d) for l in range(2)]
+    ov = [float(np.sum(S_hat[l] * teachers[l]) / d) for l in range(2)]
+    return TwoLayerGAMPRun(
+        mmse1=err[0], mmse2=err[1], overlap1=ov[0], overlap2=ov[1], V1=float(V[0]), V2=float(V[1]),
+        iterations=len(history), rejected_steps=rejected, unstable=unstable, final_damping=damping,
+        seconds_per_iteration=elapsed / max(1, len(history) + rejected), history=history,
+        S_hat1=S_hat[0], S_hat2=S_hat[1],
+    )
+
+
+@dataclass
+class TwoLayerAMPPoint(Result):
+    """Two-layer GAMP at one alpha over seeds (mean and standard error of the final per-layer errors
+    and overlaps) and the two-layer SE at the same alpha: its per-layer mmse and overlap q, as the
+    mean over ``se_seeds`` QMC seeds with the spread of those values as the SE's own error."""
+
+    alpha: float
+    rho1: float
+    rho2: float
+    skip: float
+    beta: float
+    d: int
+    mmse1: float
+    mmse1_sem: float | None
+    mmse2: float
+    mmse2_sem: float | None
+    overlap1: float
+    overlap1_sem: float | None
+    overlap2: float
+    overlap2_sem: float | None
+    mmse1_runs: list
+    mmse2_runs: list
+    se: dict | None
+    seconds_per_iteration: float
+    iterations_runs: list
+    unstable_runs: int
+    provenance: dict
+
+
+def _mean_sem(x):
+    x = np.asarray(x, dtype=float)
+    return float(x.mean()), (float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else None)
+
+
+def se_summary(alpha, rho1=0.5, rho2=0.5, skip=1.0, beta=1.0, *, se_seeds=(0, 1, 2), n_inner=8, n_outer=2048,
+               tol=1e-4):
+    """The two-layer SE at ``alpha`` for several QMC seeds: mean and spread (standard error over
+    seeds) of mmse_l and q_l, and the largest relative QMC error of the informations."""
+    pts = [state_evolution(alpha, rho1, rho2, skip, beta, n_inner=n_inner, n_outer=n_outer, tol=tol, seed=s)
+           for s in se_seeds]
+    out = {"se_seeds": list(se_seeds), "n_inner": n_inner, "n_outer": n_outer, "tol": tol}
+    for key in ("mmse1", "mmse2", "q1", "q2"):
+        out[key], out[key + "_sem"] = _mean_sem([p[key] for p in pts])
+    out["information_rel_sem"] = float(max(max(p.information_sem[0] / (p.q_hat1 / p.alpha),
+                                               p.information_sem[1] / (p.q_hat2 / p.alpha)) for p in pts))
+    out["cross_information"] = float(np.mean([p.cross_information for p in pts]))
+    return out
+
+
+def run_many(alpha, d, rho1=0.5, rho2=0.5, skip=1.0, beta=1.0, seeds=(0,), iterations=60, damping=0.5,
+             n_inner=8, se=True, se_seeds=(0, 1, 2), progress=False) -> TwoLayerAMPPoint:
+    """Two-layer GAMP over data seeds at one alpha, with the SE (``se_summary``) when ``se``.
+    ``progress``: a progress bar on stderr (seeds x iterations)."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    runs = []
+    with tqdm(total=len(seeds) * iterations, desc=f"two-layer AMP alpha={alpha:g} d={d}", unit="it",
+              disable=not progress, file=sys.stderr) as bar:
+        for seed in seeds:
+            data = generate(d, alpha, rho1, rho2, skip, beta, seed=seed)
+            start = bar.n
+
+            def tick(it, rec, seed=seed):
+                bar.update()
+                bar.set_postfix(seed=seed, mmse1=f"{rec['mmse1']:.4f}", mmse2=f"{rec['mmse2']:.4f}")
+
+            runs.append(gamp(data, iterations=iterations, damping=damping, n_inner=n_inner, callback=tick))
+            bar.update(start + iterations - bar.n)
+    stats = {}
+    for key in ("mmse1", "mmse2", "overlap1", "overlap2"):
+        stats[key], stats[key + "_sem"] = _mean_sem([r[key] for r in runs])
+    se_res = se_summary(alpha, rho1, rho2, skip, beta, se_seeds=se_seeds, n_inner=n_inner) if se else None
+    return TwoLayerAMPPoint(
+        alpha=float(alpha), rho1=float(data.rho1), rho2=float(data.rho2), skip=float(skip),
+        beta=float(beta), d=int(d), **stats, mmse1_runs=[r.mmse1 for r in runs], mmse2_runs=[r.mmse2 for r in runs],
+        se=se_res, seconds_per_iteration=float(np.mean([r.seconds_per_iteration for r in runs])),
+        iterations_runs=[r.iterations for r in runs], unstable_runs=int(sum(r.unstable for r in runs)),
+        provenance=provenance(seed=list(seeds), accuracy={"iterations": iterations, "damping": damping,
+                                                          "n_inner": n_inner}),
     )

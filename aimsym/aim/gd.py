@@ -87,6 +87,40 @@ class GDPoint(Result):
     provenance: dict
 
 
+def train_averaged(data, runs=4, *, beta=1.0, activation="softmax", steps=3000, lr=0.02, seed=0, rho=None):
+    """``runs`` Adam runs from independent initialisations (seeded by ``[seed, 7919]``) on one data
+    set. Returns a dict: ``gd`` (errors ||S_W - S||^2 / d of the single runs), ``agd`` (error of the
+    averaged S_W), ``agd_inf`` and ``train_loss`` (per run).
+
+    ``agd_inf`` estimates the error of the average over infinitely many runs (the mean of the
+    initialisation law of GD's estimate on this data set): with S_k independent given the data,
+    E ||mean_K S_k - S||^2 = ||E S_k - S||^2 + v/K (v = E ||S_k - E S_k||^2), and the sample
+    variance s^2 = (1/(K-1)) sum_k ||S_k - mean S||^2 / d is unbiased for v / d, so
+    agd_inf = agd - s^2 / K is an unbiased estimate of ||E S_k - S||^2 / d (None for K = 1)."""
+    Y = data.y
+    if activation == "linear":
+        from .channels import to_matrix
+
+        Y = to_matrix(Y, data.X.shape[2])
+    d = data.S.shape[0]
+    r = max(1, int(round((data.rho if rho is None else rho) * d)))
+    rng = np.random.default_rng([seed, 7919])
+    S_list, losses = [], []
+    for _ in range(runs):
+        W0 = rng.standard_normal((d, r))
+        W, loss = adam(W0, data.X, Y, beta=beta, activation=activation, steps=steps, lr=lr)
+        S_list.append(W @ W.T / np.sqrt(r * d))
+        losses.append(float(loss))
+    S_bar = np.mean(S_list, axis=0)
+    agd = float(np.sum((S_bar - data.S) ** 2) / d)
+    out = {"gd": [float(np.sum((Sw - data.S) ** 2) / d) for Sw in S_list], "agd": agd, "agd_inf": None,
+           "train_loss": losses}
+    if runs > 1:
+        s2 = sum(float(np.sum((Sw - S_bar) ** 2) / d) for Sw in S_list) / (runs - 1)
+        out["agd_inf"] = agd - s2 / runs
+    return out
+
+
 def run_many(alpha, rho, d, tokens=2, activation="softmax", beta=1.0, seeds=(0,), steps=3000,
              lr=0.02, runs=4):
     """For each data seed: ``runs`` Adam runs from independent inits; mean single-run error (GD)
@@ -100,22 +134,10 @@ def run_many(alpha, rho, d, tokens=2, activation="softmax", beta=1.0, seeds=(0,)
     for seed in seeds:
         data = generate(d, alpha, rho, tokens, activation, beta, seed=seed)
         rho_eff = data.rho
-        Y = data.y
-        if activation == "linear":
-            from .channels import to_matrix
-
-            Y = to_matrix(Y, tokens)
-        r = max(1, int(round(rho * d)))
-        rng = np.random.default_rng([seed, 7919])
-        S_list = []
-        for _ in range(runs):
-            W0 = rng.standard_normal((d, r))
-            W, loss = adam(W0, data.X, Y, beta=beta, activation=activation, steps=steps, lr=lr)
-            S_list.append(W @ W.T / np.sqrt(r * d))
-            train_loss.append(loss)
-        errs = [np.sum((Sw - data.S) ** 2) / d for Sw in S_list]
-        gd_err.append(np.mean(errs))
-        agd_err.append(np.sum((np.mean(S_list, axis=0) - data.S) ** 2) / d)
+        out = train_averaged(data, runs, beta=beta, activation=activation, steps=steps, lr=lr, seed=seed, rho=rho)
+        train_loss += out["train_loss"]
+        gd_err.append(np.mean(out["gd"]))
+        agd_err.append(out["agd"])
     from . import se
 
     def sem(x):

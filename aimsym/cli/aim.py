@@ -51,7 +51,16 @@ def register(subparsers) -> None:
         p.add_argument("--seeds", default="0", help="seeds: n, a,b,c or start:stop:step (default 0)")
         if name == "amp":
             p.add_argument("--iterations", type=int, default=60, help="max AMP iterations")
-            p.add_argument("--damping", type=float, default=0.3, help="damping in [0, 1)")
+            p.add_argument("--damping", type=float, default=None,
+                           help="damping in [0, 1) (default 0.3; 0.5 with --deep)")
+            p.add_argument("--deep", action="store_true",
+                           help="two-layer AIM (softmax, T = 2): --rho is rho_1 of layer 1, with --rho2 and --skip")
+            p.add_argument("--rho2", type=float, default=0.5, help="width ratio of layer 2 (--deep; default 0.5)")
+            p.add_argument("--skip", type=float, default=1.0, help="skip strength c of layer 1 (--deep; default 1)")
+            p.add_argument("--n-inner", type=int, default=8,
+                           help="Gauss-Hermite nodes per dimension of the layer-1 rule (--deep; default 8)")
+            p.add_argument("--no-se", action="store_true", help="skip the two-layer SE (--deep)")
+            p.add_argument("--quiet", action="store_true", help="no progress bar (--deep)")
             p.set_defaults(func=_cmd_amp)
         else:
             p.add_argument("--steps", type=int, default=1500, help="Adam steps (default 1500)")
@@ -123,12 +132,36 @@ def _cmd_amp(args) -> int:
     from ..aim import amp
 
     alphas, is_list = parse_grid(args.alpha)
+    if args.deep:
+        return _cmd_amp_deep(args, alphas, is_list)
     rows = []
     for a in alphas:
         rows.append(amp.run_many(alpha=a, rho=args.rho, d=args.d, tokens=args.tokens,
                                  activation=args.activation, beta=args.beta, seeds=_seeds(args.seeds),
-                                 iterations=args.iterations, damping=args.damping))
+                                 iterations=args.iterations, damping=0.3 if args.damping is None else args.damping))
     return _emit(rows if is_list else rows[0], args, ("alpha", "mmse", "mmse_sem", "mmse_se"))
+
+
+def _cmd_amp_deep(args, alphas, is_list) -> int:
+    from ..aim import deep
+
+    if args.tokens != 2:
+        raise AimsymError("--tokens", f"the two-layer AMP has T = 2 only, got {args.tokens}")
+    if args.activation != "softmax":
+        raise AimsymError("--activation", f"the two-layer AMP has softmax layers only, got {args.activation!r}")
+    if args.n_inner < 2:
+        raise AimsymError("--n-inner", f"must be >= 2, got {args.n_inner}")
+    damping = 0.5 if args.damping is None else args.damping
+    rows = []
+    for a in alphas:
+        r = deep.run_many(a, args.d, args.rho, args.rho2, args.skip, args.beta, seeds=_seeds(args.seeds),
+                          iterations=args.iterations, damping=damping, n_inner=args.n_inner, se=not args.no_se,
+                          progress=not args.quiet).to_json()
+        for key in ("mmse1", "mmse2"):
+            r[key + "_se"] = r["se"][key] if r["se"] else None
+        rows.append(r)
+    return _emit(rows if is_list else rows[0], args,
+                 ("alpha", "mmse1", "mmse1_sem", "mmse1_se", "mmse2", "mmse2_sem", "mmse2_se"))
 
 
 def _cmd_gd(args) -> int:
