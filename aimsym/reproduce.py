@@ -232,11 +232,11 @@ def _aim_fig4(work: Path, quick: bool) -> dict:
 def _aim_fig5(work: Path, quick: bool) -> dict:
     """Softmax T = 2 at low width: finite-rho SE in alpha_bar = alpha / rho, the rho -> 0 limit and
     the weak-recovery threshold 1 / c_T (``aimsym aim se --small-width --activation softmax``)."""
-    from .plot.aim import _GAP_RHOS, fig_small_width_softmax
+    from .plot.aim import GAP_RHOS, fig_small_width_softmax
 
     rhos = (0.1, 0.01, 1e-3, 1e-4)
     # quick: every 10th point of the full grid (alpha_bar_k = k * 1.4 alpha_bar_PR / n_points)
-    kw = dict(n_points=15, rhos=rhos, gap_rhos=rhos) if quick else dict(n_points=150, rhos=rhos, gap_rhos=_GAP_RHOS)
+    kw = dict(n_points=15, rhos=rhos, gap_rhos=rhos) if quick else dict(n_points=150, rhos=rhos, gap_rhos=GAP_RHOS)
     points: list[dict] = []
     _, meta = fig_small_width_softmax(work, tokens=2, table=points, **kw)
     return {"settings": {"tokens": 2, "activation": "softmax", "beta": "any (the SE does not depend on it)",

@@ -202,7 +202,7 @@ def fig_small_width(out, n_points=80):
     return _save(fig, out, "small_width", {"alpha_bar_c": abc})
 
 
-_GAP_RHOS = (0.1, 0.03, 0.01, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)  # the right panel of the full figure
+GAP_RHOS = (0.1, 0.03, 0.01, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)  # the right panel of the full figure
 
 
 def fig_small_width_softmax(out, n_points=140, rhos=(0.1, 0.01, 1e-3, 1e-4), gap_rhos=None, tokens=2,
@@ -356,7 +356,7 @@ def make_all(out="docs/figures", which=None, d=100, n_seeds=4):
     makers = {"softmax": lambda: fig_softmax(out), "tokens": lambda: fig_tokens(out, d, n_seeds),
               "hardmax": lambda: fig_hardmax(out, min(d, 80), max(2, n_seeds - 1)),
               "small_width": lambda: fig_small_width(out),
-              "small_width_softmax": lambda: fig_small_width_softmax(out, gap_rhos=_GAP_RHOS)[0],
+              "small_width_softmax": lambda: fig_small_width_softmax(out, gap_rhos=GAP_RHOS)[0],
               "amp": lambda: fig_amp(out, d),
               "deep": lambda: fig_deep(out)}
     return [makers[w]() for w in which]
