@@ -145,7 +145,7 @@ def gamp(den, data, *, lam: float = 0.0, damping: float = 0.0, max_iter: int = 5
             if getattr(den, "tol", None):  # (counted below and summarised once by run_amp)
                 warnings.filterwarnings("ignore", message="denoiser: .* did not reach tol", category=RuntimeWarning)
             out = den(data.y, omega, V)
-        if out.error is not None and getattr(den, "tol", None):
+        if getattr(out, "error", None) is not None and getattr(den, "tol", None):
             err = np.asarray(out.error, dtype=float).ravel()
             quad.append((float(np.max(err, initial=0.0)), int(np.sum(err > den.tol)), int(err.size)))
         if audit_rows is not None:
