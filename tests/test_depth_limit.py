@@ -178,3 +178,15 @@ def test_state_evolution_of_finite_depth_approaches_the_limit():
     ses = np.array([r["q_hat_difference_times_L"][1] for r in out["rows"]])
     assert np.all(vals + 3 * ses < 0)  # the first layers' uncertainty costs information
     assert np.ptp(vals) < 3 * np.sqrt((ses ** 2).sum()) + 0.1  # L x difference is constant in L
+
+
+@pytest.mark.parametrize("kind_keys", ['kind = "attention_depth_limit"\ntau = 0.5', 'kind = "attention"\nlayers = 1'])
+def test_output_noise_takes_the_noisy_channel(kind_keys):
+    """With output noise y is not a softmax: no exact reduction; the generic path integrates the
+    noisy channel, and its denoiser runs on noisy samples (it used to refuse them)."""
+    spec = S.loads(f"[model]\n{kind_keys}\ntokens = 2\nnoise = \"Delta\"\n")
+    assert derive(spec).reduction is None and "noisy" in derive(spec).reduction_reason
+    model = aimsym.load(spec, Delta=0.1)
+    Z, y = model.sample(64, np.random.default_rng(0))
+    out = model.denoiser()(y, 0.5 * Z, 0.75 * np.eye(1))
+    assert np.all(np.isfinite(out.g_out)) and np.all(np.isfinite(out.dg_out))

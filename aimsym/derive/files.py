@@ -35,9 +35,12 @@ def _data_root() -> Path:
 
 REPO_ROOT = _data_root()
 
-# the generator's identity: package version + digest of the generator's source, so that a
-# change to it marks every generated module stale (the drivers are appended at load time)
-GENERATOR_VERSION = __version__ + "+" + hashlib.sha256((_HERE / "codegen.py").read_bytes()).hexdigest()[:10]
+# the generator's identity: package version + digest of the source of the whole derive stage
+# (the derivation, reduction, numbers such as the depth limit's mixing, and the code writer all
+# shape a module), so that a change to any of it marks every generated module stale (the
+# drivers are appended at load time)
+GENERATOR_VERSION = __version__ + "+" + hashlib.sha256(
+    b"".join(p.read_bytes() for p in sorted(_HERE.glob("*.py")))).hexdigest()[:10]
 
 
 def derivations_dir() -> Path:

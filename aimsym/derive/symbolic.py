@@ -413,6 +413,8 @@ def _derive(spec: Spec) -> Derivation:
 
 def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix, prog: Program | None = None):
     last = spec.layers[-1]
+    if spec.noise != 0.0:  # (a name too: the kernels serve every value, and y is then not a softmax)
+        return None, "noisy channel (noise > 0): integrated over all of Z"
     why = []
     if spec.output != "attention":
         why.append("output = 'tokens' (the reduction inverts the last attention matrix)")
