@@ -84,3 +84,15 @@ def test_parquet(tmp_path):
     sweep.run_sweep(GC, [1.0], params={"Delta": [0.5]}, store=store, samples=256, workers=1, progress=False)
     sweep.export(store, parquet_path=tmp_path / "o.parquet")
     assert (tmp_path / "o.parquet").stat().st_size > 0
+
+
+def test_read_records_reuses_finished_runs(tmp_path):
+    """A resumed JSON-lines series: records by key, the last one of a repeated key wins, and an
+    absent file (or None) holds nothing yet."""
+    from aimsym.studies import read_records
+
+    path = tmp_path / "runs.jsonl"
+    assert read_records(path, lambda r: r["d"]) == {} and read_records(None, lambda r: r["d"]) == {}
+    path.write_text('{"d": 60, "err": 1.0}\n{"d": 100, "err": 0.5}\n{"d": 60, "err": 0.9}\n')
+    done = read_records(path, lambda r: r["d"])
+    assert sorted(done) == [60, 100] and done[60]["err"] == 0.9

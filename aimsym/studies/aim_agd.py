@@ -19,6 +19,7 @@ from ..aim.amp import run as amp_run
 from ..aim.data import generate
 from ..aim.gd import train_averaged
 from ..provenance import provenance
+from . import read_records
 from .aim_finite_size import finite_size_fit
 
 
@@ -27,15 +28,7 @@ def agd_series(alphas, plan, rho=0.5, runs=4, steps=2000, lr=0.01, amp_iteration
     """For every alpha, every (d, seeds) in ``plan`` and seeds 0..k-1: one record (dict) with the
     GD / AGD / AGD-infinity errors, the final training losses and GAMP's error on the same data.
     ``out``: JSON-lines file, appended per record; records already in it are reused."""
-    done = {}
-    if out is not None:
-        try:
-            with open(out) as f:
-                for line in f:
-                    r = json.loads(line)
-                    done[(r["alpha"], r["d"], r["seed"], r["runs"], r["steps"], r["lr"])] = r
-        except FileNotFoundError:
-            pass
+    done = read_records(out, lambda r: (r["alpha"], r["d"], r["seed"], r["runs"], r["steps"], r["lr"]))
     jobs = [(float(a), int(d), s) for a in alphas for d, k in plan for s in range(int(k))]
     from tqdm.auto import tqdm
 

@@ -17,6 +17,7 @@ from ..aim.data import check_size, generate, teacher
 from ..aim.spectral import rie_mmse
 from ..errors import AimsymError
 from ..provenance import provenance
+from . import read_records
 
 
 def finite_size_fit(d, mean, sem, order=1):
@@ -95,17 +96,8 @@ def finite_size_series(alpha, rho=0.5, plan=((60, 8), (100, 8)), tokens=2, activ
     already in the file are skipped)."""
     import json
 
-    done = {}
-    if out is not None:
-        try:
-            with open(out) as f:
-                for line in f:
-                    r = json.loads(line)
-                    key = (r["activation"], r["alpha"], r.get("prior", "mp"), r.get("sensing", "rank1"),
-                           r.get("noise_law", "semicircle"), r["d"], r["seed"])
-                    done[key] = r
-        except FileNotFoundError:
-            pass
+    done = read_records(out, lambda r: (r["activation"], r["alpha"], r.get("prior", "mp"), r.get("sensing", "rank1"),
+                                        r.get("noise_law", "semicircle"), r["d"], r["seed"]))
     records = []
     for d, n_seeds in plan:
         for seed in range(int(n_seeds)):
