@@ -424,3 +424,21 @@ def test_cli_thresholds_json_small():
     assert {"subspace", "alpha", "stderr"} <= set(d["staircase"][0])
     pr = d["perfect_recovery"]
     assert pr["counting_alpha"] == 2.0 and abs(pr["local_alpha"] - 2.0) < 4 * pr["local_alpha_stderr"]
+
+
+def test_fixed_rule_threshold_carries_its_quadrature_error():
+    """A fixed denoiser rule (the generic noisy path) reports |alpha(rule) - alpha(twice the
+    nodes)| and folds it into stderr: a coarse rule is flagged as dominated by it; a Gaussian
+    channel (Gauss-Hermite exact) is not; an error-controlled denoiser has no such term."""
+    import aimsym
+    from aimsym.derive import spec as S
+    from aimsym.smi.thresholds import initial_threshold
+
+    noisy = aimsym.load(S.make_attention(tokens=2, noise=0.1, name="l1_noisy_check"))
+    coarse = initial_threshold(noisy, samples=2048, nodes=6)
+    assert coarse.quadrature_error > 3 * coarse.statistical_stderr
+    assert coarse.stderr == pytest.approx(np.hypot(coarse.statistical_stderr, coarse.quadrature_error))
+    gauss = initial_threshold(aimsym.load("gaussian_channel", Delta=0.5), samples=2048)
+    assert gauss.quadrature_error is not None and gauss.quadrature_error < 1e-8
+    controlled = initial_threshold(aimsym.load("attention_L2_T2", skip=1.0), samples=1024)
+    assert controlled.quadrature_error is None and controlled.statistical_stderr is None

@@ -130,6 +130,10 @@ def cmd_thresholds(args) -> int:
     ini = rep.initial
     print(f"model {model.name} {model.parameters}")
     print(f"alpha_c = {_pm(ini.alpha, ini.stderr)}  (rho(F) = {_pm(ini.rho, ini.rho_stderr)}), direction:")
+    if ini.quadrature_error is not None:
+        dom = "; the quadrature error dominates: raise --nodes" if ini.quadrature_error > ini.statistical_stderr else ""
+        print(f"  (stderr = statistical {ini.statistical_stderr:.2g} and quadrature {ini.quadrature_error:.2g}: the "
+              f"denoiser's fixed rule against twice its nodes{dom})")
     for row in ini.direction:
         print("   ", "  ".join(f"{v: .3f}" for v in row))
     for step in rep.staircase:

@@ -215,7 +215,12 @@ class Threshold(Result):
     q_before: float | None = None
     q_after: float | None = None
     method: str | None = None
-    OPTIONAL = ("tail_scale", "jump", "Q_branch", "q_before", "q_after", "method")
+    # a fixed denoiser rule (no error control): |alpha(rule) - alpha(rule with twice the nodes)|,
+    # folded into ``stderr`` (then sqrt(statistical^2 + quadrature^2)); None where controlled
+    quadrature_error: float | None = None
+    statistical_stderr: float | None = None
+    OPTIONAL = ("tail_scale", "jump", "Q_branch", "q_before", "q_after", "method", "quadrature_error",
+                "statistical_stderr")
 
 
 @dataclass
@@ -313,7 +318,29 @@ def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes
     if tail_scale != 1.0:
         ch, weights = tail_scaled(ch, tail_scale)
     op = operator(ch, np.zeros((p, p)), list(range(p)), weights=weights)
-    return replace(_as_threshold(op, alpha_factor=1.0), tail_scale=float(tail_scale))
+    th = replace(_as_threshold(op, alpha_factor=1.0), tail_scale=float(tail_scale))
+    finer = _finer_rule(model, ch.den)
+    if finer is None:
+        return th
+    op2 = operator(Channel(ch.model, finer, ch.points), np.zeros((p, p)), list(range(p)), weights=weights)
+    quad = abs(_as_threshold(op2, alpha_factor=1.0).alpha - th.alpha)
+    return replace(th, quadrature_error=float(quad), statistical_stderr=th.stderr,
+                   stderr=float(np.hypot(th.stderr, quad)))
+
+
+def _finer_rule(model, den):
+    """The denoiser with twice the nodes where ``den`` runs a fixed rule over an integral (the
+    generic noisy path, region constraints, explicit node counts); None where it controls its
+    error or has no integral. Its difference to ``den`` estimates the rule's error."""
+    k = getattr(model, "kernels", None)
+    if k is None or getattr(den, "tol", None) is not None or int(k.INTEGRAL_DIM) == 0 and k.PATH != "noisy":
+        return None
+    if k.PATH in ("halfspace",) or not getattr(den, "nodes", None):
+        return None
+    acc = {"nodes": min(256, 2 * int(den.nodes))}
+    if getattr(den, "polar", None):
+        acc["polar"] = tuple(2 * v for v in den.polar)
+    return model.denoiser(**acc)
 
 
 def _as_threshold(op: Operator, alpha_factor: float) -> Threshold:
@@ -598,6 +625,9 @@ class ThresholdReport(Result):
         out = super().to_json()
         # the report's alpha_c leaves out how its points were drawn (tail_scale)
         out["initial"] = {k: getattr(self.initial, k) for k in self.INITIAL_KEYS}
+        if self.initial.quadrature_error is not None:  # a fixed rule: its error, folded into stderr
+            q, st = self.initial.quadrature_error, self.initial.statistical_stderr
+            out["initial"].update(quadrature_error=q, statistical_stderr=st, quadrature_dominates=bool(q > st))
         return out
 
 
