@@ -215,7 +215,7 @@ def _check_phase_diagram(rows, rec):
 
 def _check_gamp(rows, rec):
     amp2 = _series(rows, "AMP layer 2 (d=300, 2 seeds)", "errorbar")
-    se2 = _series(rows, "SE layer 2", "line")
+    se2 = _series(rows, "SE layer 2", "errorbar")
     assert len(amp2) == rec["settings"]["iters"] + 1 and np.all(np.isfinite([r["y"] for r in se2]))
     # GAMP tracks the SE: the learned second layer's final overlap within 0.1 of the SE's
     assert abs(amp2[-1]["y"] - se2[-1]["y"]) < 0.1 + 3 * amp2[-1]["yerr"]

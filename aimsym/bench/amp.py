@@ -69,19 +69,26 @@ def main(argv=None) -> int:
 FIGURES = ("iterations", "gd", "gaussian", "alpha", "glm_alpha")
 
 
-def se_trajectory(model, alpha, lam, iters, seed=0, samples=4096):
-    """SE iterated step by step from Q = 0 with side information lam (aimsym.smi.se's sampled map)."""
-    from aimsym.smi.se import make_channel, q_from_q_hat, se_map, side_matrix
+def se_trajectory(model, alpha, lam, iters, seed=0, samples=4096, replicas=8):
+    """SE iterated step by step from Q = 0 with side information lam (aimsym.smi.se's sampled map):
+    one trajectory per replica of the points (samples / replicas each), so that their spread is the
+    trajectory's Monte Carlo error. Returns (mean, stderr), each (iters + 1, p, p)."""
+    from aimsym.smi.se import Channel, make_channel, q_from_q_hat, se_map, side_matrix
 
-    ch = make_channel(model, samples=samples, replicas=8, seed=seed)
+    ch = make_channel(model, samples=samples, replicas=replicas, seed=seed)
     Lam = side_matrix(model.p, lam)
-    Q = np.zeros((model.p, model.p))
-    out = [Q]
-    for _ in range(iters):
-        Q_hat_r, _ = se_map(ch, Q, alpha)
-        Q = q_from_q_hat(Q_hat_r.mean(0), Lam)
-        out.append(Q)
-    return np.array(out)
+    paths = []
+    for r in range(replicas):
+        ch_r = Channel(ch.model, ch.den, ch.points[r:r + 1])
+        Q = np.zeros((model.p, model.p))
+        out = [Q]
+        for _ in range(iters):
+            Q_hat_r, _ = se_map(ch_r, Q, alpha)
+            Q = q_from_q_hat(Q_hat_r.mean(0), Lam)
+            out.append(Q)
+        paths.append(out)
+    paths = np.array(paths)
+    return paths.mean(axis=0), paths.std(axis=0, ddof=1) / np.sqrt(replicas)
 
 
 def se_gaussian_fixed_point(alpha, Delta, lam=0.0, iters=2000, tol=1e-12):
@@ -280,13 +287,14 @@ def iterations_figure(model, outdir, *, d=1000, seeds=4, iters=40, alpha=1.2, la
     with warnings.catch_warnings():  # (tol = 0: a fixed number of iterations, by design)
         warnings.simplefilter("ignore", ConvergenceWarning)
         res = run_amp(model, d=d, alpha=alpha, seeds=seeds, seed=1, lam=lam, max_iter=iters, tol=0.0, progress=True)
-    se = se_trajectory(model, alpha, lam, iters, samples=se_samples)
+    se, se_err = se_trajectory(model, alpha, lam, iters, samples=se_samples)
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
     t = np.arange(len(res.overlaps["M"]))
     for k, c in zip(range(model.p), ("C0", "C3")):
         ax.errorbar(t + 1, res.overlaps["M"][:, k, k], yerr=res.overlaps["M_stderr"][:, k, k], fmt="o",
                     ms=3, color=c, label=f"AMP layer {k + 1} (d={d}, {seeds} seeds)")
-        ax.plot(np.arange(len(se)) + 1, se[:, k, k], "-", color=c, lw=1, label=f"SE layer {k + 1}")
+        ax.errorbar(np.arange(len(se)) + 1, se[:, k, k], yerr=se_err[:, k, k], fmt="-", color=c, lw=1,
+                    label=f"SE layer {k + 1}")
     ax.set(xscale="log", xlabel="iteration + 1", ylabel="overlap M_ll", ylim=(-0.05, 1.1),
            title=f"GAMP vs SE, two-layer T=2 softmax, skip 1, alpha={alpha}, lambda={lam}")
     ax.title.set_fontsize(8)
@@ -294,7 +302,8 @@ def iterations_figure(model, outdir, *, d=1000, seeds=4, iters=40, alpha=1.2, la
     _save(fig, os.path.join(outdir, "amp_L2_T2_iterations.png"))
     return {"L2_T2_final_M": np.diag(res.final["M"]).tolist(),
             "L2_T2_final_M_stderr": np.diag(res.final["M_stderr"]).tolist(),
-            "SE_final_Q": np.diag(se[-1]).tolist(), "settings": res.settings}
+            "SE_final_Q": np.diag(se[-1]).tolist(), "SE_final_Q_stderr": np.diag(se_err[-1]).tolist(),
+            "settings": res.settings}
 
 
 def held_layer_figure(model, outdir, *, d=1000, seeds=4, iters=60, alpha=1.2, lam=1e-2, held=1,
