@@ -34,7 +34,8 @@ AVAILABLE = [n for n in PAPER_FIGURES.values() if n not in UNAVAILABLE | NOT_IMP
 # full-run data committed in docs/figures/reproduce/full/NAME/ (`aimsym reproduce NAME --out ...`),
 # with the number of points the quick run shares with it
 FULL = Path(__file__).resolve().parent.parent / "docs" / "figures" / "reproduce" / "full"
-MIN_SHARED: dict[str, int] = {"aim-fig1-right": 33, "aim-fig5": 77, "smi-fig1-left": 7, "smi-fig1-right": 9}
+MIN_SHARED: dict[str, int] = {"aim-fig1-right": 33, "aim-fig5": 77, "smi-fig1-left": 7, "smi-fig1-right": 9,
+                              "smi-fig2-left": 42}
 SLOW = {"smi-fig3-left", "smi-figA5", "erm-errors", "erm-models", "erm-spectra", "erm-rank", "erm-beta-T", "erm-seq"}
 
 
