@@ -368,9 +368,18 @@ def se_map(ch: Channel, Q: np.ndarray, alpha: float, *, diagnostics: bool = Fals
     if not diagnostics:
         return sym(Q_hat_r), psi_r
     dg = out.dg_out.reshape(R, n, ch.p, ch.T, ch.p, ch.T)
-    return sym(Q_hat_r), psi_r, {**nishimori_residual(gg_r, np.einsum("rnktlt->rkl", dg) / n),
-                                 **quadrature_summary(out, ch.used or ch.den),
-                                 **quadrature_share(g, getattr(out, "error", None), alpha, Q_hat_r)}
+    summary = quadrature_summary(out, ch.used or ch.den)
+    err = getattr(out, "error", None)
+    finer = finer_rule(ch.model, ch.used or ch.den) if err is None else None
+    if finer is not None:  # a fixed rule: its error per sample against the rule with twice the nodes
+        from ..denoise.output import difference
+
+        fine, _, _ = Channel(ch.model, finer, ch.points).denoise(Q)
+        err = difference(out.g_out, out.dg_out, fine.g_out, fine.dg_out, out.log_z_out, fine.log_z_out)
+        summary.update(quadrature_error_max=float(np.max(err)), quadrature_error_median=float(np.median(err)),
+                       quadrature_note="fixed rule: its error estimated against twice its nodes (at the fixed point)")
+    return sym(Q_hat_r), psi_r, {**nishimori_residual(gg_r, np.einsum("rnktlt->rkl", dg) / n), **summary,
+                                 **quadrature_share(g, err, alpha, Q_hat_r)}
 
 
 def nishimori_residual(gg_r: np.ndarray, dg_r: np.ndarray) -> dict:
@@ -402,6 +411,21 @@ def quadrature_summary(out, den) -> dict:
     return {"quadrature_error_max": float(np.max(err)), "quadrature_error_median": float(np.median(err)),
             "quadrature_tol": tol, "quadrature_missed": missed,
             "quadrature_note": (f"{missed} of {err.size} samples above tol" if missed else "every sample within tol")}
+
+
+def finer_rule(model, den):
+    """The denoiser with twice the nodes where ``den`` runs a fixed rule over an integral (the
+    generic noisy path, region constraints, explicit node counts); None where it controls its
+    error or has no integral. Its difference to ``den`` estimates the rule's error."""
+    k = getattr(model, "kernels", None)
+    if k is None or getattr(den, "tol", None) is not None or int(k.INTEGRAL_DIM) == 0 and k.PATH != "noisy":
+        return None
+    if k.PATH in ("halfspace",) or not getattr(den, "nodes", None):
+        return None
+    acc = {"nodes": min(256, 2 * int(den.nodes))}
+    if getattr(den, "polar", None):
+        acc["polar"] = tuple(2 * v for v in den.polar)
+    return model.denoiser(**acc)
 
 
 def quadrature_share(g: np.ndarray, err, alpha: float, Q_hat_r: np.ndarray) -> dict:

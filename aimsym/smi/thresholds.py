@@ -36,7 +36,7 @@ from scipy.optimize import brentq
 from ..errors import AimsymError
 from ..provenance import provenance
 from ..results import Result
-from .se import Channel, denoiser_accuracy, make_channel, state_evolution, sym
+from .se import Channel, denoiser_accuracy, finer_rule, make_channel, state_evolution, sym
 
 
 # ----------------------------------------------------------------------------- symmetric basis
@@ -319,7 +319,7 @@ def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes
         ch, weights = tail_scaled(ch, tail_scale)
     op = operator(ch, np.zeros((p, p)), list(range(p)), weights=weights)
     th = replace(_as_threshold(op, alpha_factor=1.0), tail_scale=float(tail_scale))
-    finer = _finer_rule(model, ch.den)
+    finer = finer_rule(model, ch.den)
     if finer is None:
         return th
     op2 = operator(Channel(ch.model, finer, ch.points), np.zeros((p, p)), list(range(p)), weights=weights)
@@ -328,19 +328,6 @@ def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes
                    stderr=float(np.hypot(th.stderr, quad)))
 
 
-def _finer_rule(model, den):
-    """The denoiser with twice the nodes where ``den`` runs a fixed rule over an integral (the
-    generic noisy path, region constraints, explicit node counts); None where it controls its
-    error or has no integral. Its difference to ``den`` estimates the rule's error."""
-    k = getattr(model, "kernels", None)
-    if k is None or getattr(den, "tol", None) is not None or int(k.INTEGRAL_DIM) == 0 and k.PATH != "noisy":
-        return None
-    if k.PATH in ("halfspace",) or not getattr(den, "nodes", None):
-        return None
-    acc = {"nodes": min(256, 2 * int(den.nodes))}
-    if getattr(den, "polar", None):
-        acc["polar"] = tuple(2 * v for v in den.polar)
-    return model.denoiser(**acc)
 
 
 def _as_threshold(op: Operator, alpha_factor: float) -> Threshold:
