@@ -438,6 +438,9 @@ def test_fixed_rule_threshold_carries_its_quadrature_error():
     coarse = initial_threshold(noisy, samples=2048, nodes=6)
     assert coarse.quadrature_error > 3 * coarse.statistical_stderr
     assert coarse.stderr == pytest.approx(np.hypot(coarse.statistical_stderr, coarse.quadrature_error))
+    refined = initial_threshold(noisy, samples=2048)  # the default rule is refined until its error is below
+    assert refined.nodes > 24 and (refined.quadrature_error <= refined.statistical_stderr or refined.nodes == 128)
+    assert abs(refined.alpha - initial_threshold(noisy, samples=2048, nodes=128).alpha) < 3 * refined.stderr
     gauss = initial_threshold(aimsym.load("gaussian_channel", Delta=0.5), samples=2048)
     assert gauss.quadrature_error is not None and gauss.quadrature_error < 1e-8
     controlled = initial_threshold(aimsym.load("attention_L2_T2", skip=1.0), samples=1024)

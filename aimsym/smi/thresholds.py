@@ -215,12 +215,13 @@ class Threshold(Result):
     q_before: float | None = None
     q_after: float | None = None
     method: str | None = None
-    # a fixed denoiser rule (no error control): |alpha(rule) - alpha(rule with twice the nodes)|,
+    # a fixed denoiser rule (no error control): |alpha(rule) - alpha(rule with half the nodes)|,
     # folded into ``stderr`` (then sqrt(statistical^2 + quadrature^2)); None where controlled
     quadrature_error: float | None = None
     statistical_stderr: float | None = None
+    nodes: int | None = None  # the fixed rule's nodes per dimension (after its refinement)
     OPTIONAL = ("tail_scale", "jump", "Q_branch", "q_before", "q_after", "method", "quadrature_error",
-                "statistical_stderr")
+                "statistical_stderr", "nodes")
 
 
 @dataclass
@@ -296,6 +297,9 @@ def tail_scaled(ch: Channel, scale: float) -> tuple[Channel, np.ndarray]:
 # Denoiser nodes of the Q = 0 operator (one pass, so cheap) where the SE default biases alpha_c
 # beyond its reweighted QMC error (measured against the closed-form denoiser: docs/tuning.md).
 THRESHOLD_NODES = {1: 120}
+# a fixed rule's threshold is refined (nodes doubled) while its quadrature error dominates, up to
+# these nodes per dimension of the integral (2-D: 128^2 nodes per sample)
+THRESHOLD_MAX_NODES = {1: 256, 2: 128}
 
 
 def _threshold_denoiser(model, ch: Channel) -> Channel:
@@ -320,12 +324,19 @@ def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes
     op = operator(ch, np.zeros((p, p)), list(range(p)), weights=weights)
     th = replace(_as_threshold(op, alpha_factor=1.0), tail_scale=float(tail_scale))
     finer = finer_rule(model, ch.den)
-    if finer is None:
-        return th
-    op2 = operator(Channel(ch.model, finer, ch.points), np.zeros((p, p)), list(range(p)), weights=weights)
-    quad = abs(_as_threshold(op2, alpha_factor=1.0).alpha - th.alpha)
-    return replace(th, quadrature_error=float(quad), statistical_stderr=th.stderr,
-                   stderr=float(np.hypot(th.stderr, quad)))
+    while finer is not None:
+        th2 = replace(_as_threshold(operator(Channel(ch.model, finer, ch.points), np.zeros((p, p)), list(range(p)),
+                                             weights=weights), alpha_factor=1.0), tail_scale=float(tail_scale))
+        quad = abs(th2.alpha - th.alpha)
+        # with the rule left at its default, refine while the rule's error dominates the statistical
+        # one (nodes doubled each time, up to the cap); the finer rule's value is reported, with the
+        # difference to half its nodes as its error (conservative where the rule converges)
+        if nodes is not None or quad <= th2.stderr or finer.nodes * 2 > THRESHOLD_MAX_NODES.get(
+                int(model.kernels.INTEGRAL_DIM), 0):
+            return replace(th2, quadrature_error=float(quad), statistical_stderr=th2.stderr,
+                           stderr=float(np.hypot(th2.stderr, quad)), nodes=int(finer.nodes))
+        ch, th, finer = Channel(ch.model, finer, ch.points), th2, finer_rule(model, finer)
+    return th
 
 
 
@@ -614,7 +625,8 @@ class ThresholdReport(Result):
         out["initial"] = {k: getattr(self.initial, k) for k in self.INITIAL_KEYS}
         if self.initial.quadrature_error is not None:  # a fixed rule: its error, folded into stderr
             q, st = self.initial.quadrature_error, self.initial.statistical_stderr
-            out["initial"].update(quadrature_error=q, statistical_stderr=st, quadrature_dominates=bool(q > st))
+            out["initial"].update(quadrature_error=q, statistical_stderr=st, quadrature_dominates=bool(q > st),
+                                  nodes=self.initial.nodes)
         return out
 
 
