@@ -133,7 +133,7 @@ def cmd_thresholds(args) -> int:
     if ini.quadrature_error is not None:
         dom = "; the quadrature error dominates: raise --nodes" if ini.quadrature_error > ini.statistical_stderr else ""
         print(f"  (stderr = statistical {ini.statistical_stderr:.2g} and quadrature {ini.quadrature_error:.2g}: the "
-              f"denoiser's fixed rule, {ini.nodes} nodes per dimension, against half its nodes{dom})")
+              f"denoiser's fixed rule, {ini.nodes} nodes per dimension, against the rule with twice or half as many{dom})")
     for row in ini.direction:
         print("   ", "  ".join(f"{v: .3f}" for v in row))
     for step in rep.staircase:

@@ -215,8 +215,9 @@ class Threshold(Result):
     q_before: float | None = None
     q_after: float | None = None
     method: str | None = None
-    # a fixed denoiser rule (no error control): |alpha(rule) - alpha(rule with half the nodes)|,
-    # folded into ``stderr`` (then sqrt(statistical^2 + quadrature^2)); None where controlled
+    # a fixed denoiser rule (no error control): the difference of alpha between the reported rule
+    # and the rule with twice (explicit nodes) or half (refined default) its nodes, folded into
+    # ``stderr`` (then sqrt(statistical^2 + quadrature^2)); None where the error is controlled
     quadrature_error: float | None = None
     statistical_stderr: float | None = None
     nodes: int | None = None  # the fixed rule's nodes per dimension (after its refinement)
@@ -328,17 +329,17 @@ def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes
         th2 = replace(_as_threshold(operator(Channel(ch.model, finer, ch.points), np.zeros((p, p)), list(range(p)),
                                              weights=weights), alpha_factor=1.0), tail_scale=float(tail_scale))
         quad = abs(th2.alpha - th.alpha)
+        if nodes is not None:  # the requested rule's value, with its error against twice its nodes
+            return replace(th, quadrature_error=float(quad), statistical_stderr=th.stderr,
+                           stderr=float(np.hypot(th.stderr, quad)), nodes=int(ch.den.nodes))
         # with the rule left at its default, refine while the rule's error dominates the statistical
         # one (nodes doubled each time, up to the cap); the finer rule's value is reported, with the
         # difference to half its nodes as its error (conservative where the rule converges)
-        if nodes is not None or quad <= th2.stderr or finer.nodes * 2 > THRESHOLD_MAX_NODES.get(
-                int(model.kernels.INTEGRAL_DIM), 0):
+        if quad <= th2.stderr or finer.nodes * 2 > THRESHOLD_MAX_NODES.get(int(model.kernels.INTEGRAL_DIM), 0):
             return replace(th2, quadrature_error=float(quad), statistical_stderr=th2.stderr,
                            stderr=float(np.hypot(th2.stderr, quad)), nodes=int(finer.nodes))
         ch, th, finer = Channel(ch.model, finer, ch.points), th2, finer_rule(model, finer)
     return th
-
-
 
 
 def _as_threshold(op: Operator, alpha_factor: float) -> Threshold:
