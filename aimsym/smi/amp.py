@@ -447,21 +447,18 @@ def run_amp(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, lam: 
                                    seeds_spawned=seeds))
     out.quadrature = audit
     if audit.get("audited") and (audit["max_error"] or 0.0) > AUDIT_WARN:
-
         warnings.warn(RuntimeWarning(
             f"GAMP: the denoiser's rule {den.accuracy.get('nodes_per_dim')} nodes per dimension differs from the "
             f"error-controlled rule by up to {audit['max_error']:.1e} (relative; 'quadrature' in the result has it per "
             "audited iteration, with tr V / p); more nodes (--nodes) help in the bulk, while near perfect recovery "
             "(V -> 0 at finite d) no fixed rule resolves the posterior"), stacklevel=2)
     if audit.get("missed"):
-
         warnings.warn(RuntimeWarning(
             f"GAMP: {audit['missed']} of {audit['evaluations']} denoiser evaluations ended above tol = "
             f"{den.tol:.1e} at the refinement cap (largest estimate {audit['max_error']:.1e}; typically V -> 0 "
             "near perfect recovery); their error estimates are in 'quadrature'"), stacklevel=2)
     stalled = sum(1 for tr in traces if not tr.converged)
     if stalled:
-
         from ..errors import ConvergenceWarning
 
         warnings.warn(ConvergenceWarning(
