@@ -192,3 +192,17 @@ def test_fixed_rule_se_estimates_its_quadrature_error():
     assert d["quadrature_to_statistical"] > 1 and "dominates" in d["quadrature_note"]
     gauss = state_evolution(aimsym.load("gaussian_channel", Delta=0.5), 1.0, samples=256, replicas=4)
     assert gauss.diagnostics["quadrature_error_max"] < 1e-8 and "dominates" not in gauss.diagnostics["quadrature_note"]
+
+
+def test_fixed_rule_se_refines_its_default_rule_while_the_quadrature_dominates():
+    """The noisy attention layer at Delta = 0.1: the default 24-node rule's error dominates, so the
+    SE doubles the nodes (up to SE_MAX_NODES) and says so; an explicit rule is left as asked."""
+    import aimsym
+    from aimsym.derive import spec as S
+    from aimsym.smi.se import SE_MAX_NODES, state_evolution
+
+    noisy = aimsym.load(S.make_attention(tokens=2, noise=0.1, depth_limit_tau=2.0, name="dl_noisy_refine_check"))
+    res = state_evolution(noisy, 1.0, samples=512, replicas=4)
+    d = res.diagnostics
+    assert 24 < d["refined_nodes"] <= SE_MAX_NODES[2] and "refined to" in d["quadrature_note"]
+    assert "refined_nodes" not in state_evolution(noisy, 1.0, samples=512, replicas=4, nodes=24).diagnostics

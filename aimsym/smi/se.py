@@ -42,6 +42,9 @@ from ..provenance import provenance
 # skip 1e-6, 0.01 and 1 (same QMC points) at 1/4 of the cost, whereas plain Gauss-Hermite 16
 # is biased by up to 12 % at small skip (0.242 vs 0.274 at skip 1e-6; 0.1840 vs 0.1845 at skip 1).
 SE_NODES = {1: 40, 2: 24, 3: 10, 4: 7}
+# a fixed rule left at its default (generic noisy path) is refined up to these nodes per dimension
+# while its quadrature error dominates the SE's statistical error (state_evolution)
+SE_MAX_NODES = {1: 256, 2: 64}
 SE_POLAR = (8, 24)
 # the SE's denoiser controls its error (refining samples whose estimate exceeds SE_TOL,
 # relative to the size of g_out, dg_out) where the denoiser supports it (exact path), and
@@ -703,8 +706,20 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
         bar = tqdm(desc=f"SE alpha={alpha:g}", unit="pt", unit_scale=True, leave=False)
         ch = Channel(ch.model, ch.den, ch.points, on_pass=bar.update)
     try:
-        return _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, damping, tol, max_iter,
-                                errors, init_eps, coarse, anderson, stop, t0, seed)
+        res = _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, damping, tol, max_iter,
+                               errors, init_eps, coarse, anderson, stop, t0, seed)
+        # a fixed rule left at its default (generic noisy path): while its quadrature error dominates
+        # the statistical one, double the nodes and continue from the fixed point, up to the cap
+        finer = finer_rule(model, ch.den) if (nodes is None and channel is None and stop is None) else None
+        while (finer is not None and (res.diagnostics.get("quadrature_to_statistical") or 0.0) > 1.0
+               and finer.nodes <= SE_MAX_NODES.get(int(model.kernels.INTEGRAL_DIM), 0)):
+            ch = Channel(ch.model, finer, ch.points, on_pass=ch.on_pass)
+            res = _state_evolution(model, ch, alpha, res.Q, side_info, side_block, restrict, damping, tol,
+                                   max_iter, errors, init_eps, coarse, anderson, stop, t0, seed)
+            res.diagnostics["refined_nodes"] = int(finer.nodes)
+            res.diagnostics["quadrature_note"] += f" (rule refined to {finer.nodes} nodes per dimension)"
+            finer = finer_rule(model, finer)
+        return res
     finally:
         if bar is not None:
             bar.close()
