@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from aimsym.erm.geometry import flat, isometric_to_matrix, isometric_to_vector, learned_basis, softmax_rows
+from aimsym.erm.geometry import flat, isometric_to_matrix, isometric_to_vector, learned_basis
+from aimsym.numerics import softmax_rows
 from aimsym.erm.loss import loss, loss_grad_hess
 from aimsym.erm.params import ERMParams
 from aimsym.erm.prox import _objective, interpolating_point, prox

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from aimsym.erm.geometry import softmax_rows
+from aimsym.numerics import softmax_rows
 from aimsym.erm.params import ERMParams
 from aimsym.erm.quadrature import gauss_hermite
 from aimsym.erm.se import Accuracy, fields, fixed_point, labels, output_step

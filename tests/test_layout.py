@@ -16,7 +16,8 @@ PACKAGE = Path(aimsym.__file__).parent
 # Stages from the bottom up: a module may import its own stage or an earlier one, never a later.
 # (aimsym/__init__.py, the facade, sits above them all and is imported by nobody inside.)
 ORDER = (
-    ("aimsym.errors", "aimsym.provenance", "aimsym.results", "aimsym.blas", "aimsym.moved"),  # base: errors, records, JSON, BLAS
+    ("aimsym.errors", "aimsym.provenance", "aimsym.results", "aimsym.blas", "aimsym.moved",
+     "aimsym.numerics"),  # base: errors, records, JSON, BLAS, shared numeric kernels
     ("aimsym.derive",),   # model file -> spec -> SymPy -> LaTeX, generated kernels
     ("aimsym.bundled",),  # where the bundled model files and generated modules live
     ("aimsym.denoise",),  # the denoiser over the generated kernels

@@ -30,18 +30,13 @@ from scipy.special import logsumexp
 from scipy.stats import norm, qmc
 
 from ..errors import AimsymError
+from ..numerics import softmax_rows
 from ..provenance import provenance
 from ..results import Result
 from .channels import to_matrix
 from .spectral import prior_second_moment, rie_mmse
 
 _W = np.array([2.0, 1.0, 2.0])  # variance multipliers of (11, 12, 22)
-
-
-def softmax_rows(z):
-    z = z - z.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
 
 
 def mixing(H1, skip, beta):

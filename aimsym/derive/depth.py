@@ -35,6 +35,7 @@ from scipy.integrate import solve_ivp
 from scipy.special import gammaln
 
 from ..errors import SpecError
+from ..numerics import softmax_rows
 
 # angles per dimension of the sphere rule (T = 2: points on the circle; T = 3: cos-theta nodes)
 ANGLES = {2: 256, 3: 32}
@@ -45,14 +46,8 @@ ODE_RTOL = 1e-12
 ACTIVATIONS = ("softmax", "linear")
 
 
-def _softmax_rows(A: np.ndarray) -> np.ndarray:
-    A = A - A.max(axis=-1, keepdims=True)
-    E = np.exp(A)
-    return E / E.sum(axis=-1, keepdims=True)
-
-
 def activate(activation: str, A: np.ndarray) -> np.ndarray:
-    return _softmax_rows(A) if activation == "softmax" else A
+    return softmax_rows(A) if activation == "softmax" else A
 
 
 def sphere_rule(T: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,7 +97,7 @@ def mean_attention(M: np.ndarray, beta: float, activation: str, rule: Rule) -> n
         return beta * M @ M.T
     v = rule.directions @ M.T  # (D, T): M u per direction
     B = beta * v[:, :, None] * v[:, None, :]  # logits at r = 1
-    S = _softmax_rows(rule.r2[None, :, None, None] * B[:, None])  # (D, R, T, T)
+    S = softmax_rows(rule.r2[None, :, None, None] * B[:, None])  # (D, R, T, T)
     return np.einsum("d,r,drab->ab", rule.direction_weights, rule.radial_weights, S)
 
 

@@ -73,12 +73,6 @@ def isometric_to_vector(H: np.ndarray) -> np.ndarray:
     return H[..., a, b] * scale
 
 
-def softmax_rows(A: np.ndarray) -> np.ndarray:
-    """Row softmax of (..., T, T), shifted by the row max (no overflow)."""
-    e = np.exp(A - A.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
 def n_learned(T: int) -> int:
     """L - 1 = (T^2 + T - 2)/2: identifiable entries per sample; alpha_bar = alpha * this."""
     return T * (T + 1) // 2 - 1

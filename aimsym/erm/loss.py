@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .geometry import embedding, isometric_to_matrix, softmax_rows
+from ..numerics import softmax_rows
+from .geometry import embedding, isometric_to_matrix
 
 
 def loss(h: np.ndarray, Y: np.ndarray, beta: float) -> np.ndarray:

@@ -25,7 +25,8 @@ import numpy as np
 
 from ..errors import AimsymError
 from ..blas import limit_blas_threads
-from .geometry import isometric_to_matrix, learned_basis, softmax_rows
+from ..numerics import softmax_rows
+from .geometry import isometric_to_matrix, learned_basis
 from .loss import loss, loss_grad_hess
 from .params import ERMParams
 from .prior import prior_step

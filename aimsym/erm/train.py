@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import AimsymError
 from ..blas import limit_blas_threads
-from .geometry import softmax_rows
+from ..numerics import softmax_rows
 from .params import ERMParams
 
 

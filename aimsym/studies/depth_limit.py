@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from ..derive import depth
+from ..smi.se import mean_and_stderr
 
 
 def last_layer_information(z: np.ndarray, omega: np.ndarray, V: float, M_true: np.ndarray,
@@ -39,7 +40,8 @@ def last_layer_information(z: np.ndarray, omega: np.ndarray, V: float, M_true: n
 
 
 def _mean_se(x: np.ndarray) -> tuple[float, float]:
-    return float(x.mean()), float(x.std() / np.sqrt(x.size))
+    mean, se = mean_and_stderr(np.asarray(x, dtype=float))  # (ddof 1: 8 replicas are few)
+    return float(mean), float(se)
 
 
 def convergence(tau: float = 1.0, beta: float = 1.0, depths=(4, 8, 16, 32, 64), samples: int = 200_000,
