@@ -167,7 +167,8 @@ def test_k3_and_k4_defaults_are_certified(name):
     m = load(name)
     den = m.denoiser()
     assert den.rule == "modal" and den.tol == 1e-8
-    assert se.denoiser_accuracy(m, samples=1 << 16) == {"rule": "modal", "tol": pytest.approx(se.SE_STAT_SHARE / 256)}
+    assert se.denoiser_accuracy(m, samples=1 << 16) == {"rule": "modal", "tol": pytest.approx(se.SE_STAT_SHARE / 256),
+                                                       "max_regions": se.SE_CERTIFIED_REGIONS}
     assert se.denoiser_accuracy(m, samples=1024)["tol"] == se.SE_TOL_MAX
     assert se.denoiser_accuracy(m, nodes=6).get("nodes") == 6
     assert m.denoiser(nodes=6).rule == "auto"

@@ -334,8 +334,8 @@ def held_layer_figure(model, outdir, *, d=1000, seeds=4, iters=60, alpha=1.2, la
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
     for k, c in zip(rows, ("C0", "C2", "C1")):
         ax.errorbar(overlaps, final[:, k], yerr=final_se[:, k], fmt="o-", ms=3, color=c,
-                    label=f"layer {k + 1}, layer {held + 1} held at q")
-        ax.axhline(free.final["M"][k, k], color=c, ls=":", lw=1, label=f"layer {k + 1}, free run")
+                    label=f"layer {k + 1}, layer {held + 1} held at q, d={d}")
+        ax.axhline(free.final["M"][k, k], color=c, ls=":", lw=1, label=f"layer {k + 1}, free run, d={d}")
     ax.set(xlabel=f"held overlap q of layer {held + 1}", ylabel="final overlap M_ll", ylim=(-0.05, 1.1),
            title=f"GAMP with layer {held + 1} held, alpha={alpha}, d={d}, {seeds} seeds, lambda={lam}")
     ax.title.set_fontsize(8)
@@ -365,7 +365,7 @@ def gd_figure(model, outdir, *, d=200, seeds=3, epochs=1000, alphas=(16, 8)):
         ov, se = g.overlaps["layer"], g.overlaps["layer_stderr"]
         for k, c in zip(range(ov.shape[1]), ("C0", "C3")):
             ax.errorbar(e + 1, ov[:, k], yerr=se[:, k], fmt=style, ms=2.5, lw=1, color=c,
-                        alpha=1.0 if alpha == alphas[0] else 0.6, label=f"layer {k + 1}, alpha={alpha}")
+                        alpha=1.0 if alpha == alphas[0] else 0.6, label=f"layer {k + 1}, alpha={alpha}, d={d}")
 
         def first(k, th, ov=ov, e=e):
             j = int(np.argmax(ov[:, k] > th))
