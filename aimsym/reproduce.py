@@ -299,7 +299,8 @@ FIGURES: tuple[PaperFigure, ...] = (
                 "of layer 1 vs the held overlap of layer 2, alpha = 1.2)", draw=_smi_fig_a5),
     PaperFigure("aim-fig1-left", "AIM", "Fig. 1 (left)",
                 "hardmax, T = 2: Bayes-optimal error vs alpha (log-log) for several width ratios rho; power-law "
-                "decay at large alpha; AMP points (d = 100, 16 data sets in the paper)", draw=_aim_fig1_left),
+                "decay at large alpha; AMP points (d = 100, 16 data sets in the paper)", draw=_aim_fig1_left,
+                line_rtol=1e-6),
     PaperFigure("aim-fig1-right", "AIM", "Fig. 1 (right)",
                 "hardmax, T = 2 at small width: error vs alpha_bar = alpha / rho, the rho -> 0 limit and the "
                 "weak-recovery threshold alpha_bar_c (grey line)", draw=_aim_fig1_right, line_rtol=1e-6),

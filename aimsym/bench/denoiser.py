@@ -2,6 +2,7 @@
 
     python -m aimsym.bench.denoiser [--batch 100000] [--skip-nquad]
     python -m aimsym.bench.denoiser --modal-only [--modal-batch 1024] [--modal-check 8] [--modal-tol 1e-8]
+    python -m aimsym.bench.denoiser --budget
 
 Measures, in one run: CPU time per evaluation of (g_out, dg_out, log_z_out) single-threaded
 for the old (Legendre) and new (mapped) polar rules and Gauss-Hermite, in each SE regime, with
@@ -112,6 +113,39 @@ def _load() -> str:
 SE_LABELS = ["moderate", "V=diag(1,.05)", "V=diag(.5,.02)", "V=.02 I"]
 
 
+def bench_budget(n=16, q=0.99, budgets=(100_000, 2_000)):
+    """The SE's region budget for the certified rule (smi.se.SE_CERTIFIED_REGIONS): CPU time and
+    error estimate per sample, one thread, three layers (skip 1) at Q = diag(0, 0, q), tol 1e-3,
+    SE points omega ~ N(0, Q), Z ~ N(omega, I - Q)."""
+    m = load(ROOT / "attention_L3_T2.toml", skip=1.0)
+    rng = np.random.default_rng(0)
+    p, T = m.p, m.tokens
+    Q = np.diag([0.0] * (p - 1) + [q])
+    V = np.eye(p) - Q
+    om = np.sqrt(Q) @ rng.standard_normal((n, p, T))
+    obs = np.array([m.observation(z) for z in om + np.sqrt(V) @ rng.standard_normal((n, p, T))])
+    numba.set_num_threads(1)
+    print(f"three layers T = 2 (skip 1), Q = diag(0, 0, {q}), tol 1e-3, one thread; {_load()}")
+    for budget in budgets:
+        den = m.denoiser(tol=1e-3, max_regions=budget)
+        den(None, om[:1], V[None], obs=obs[:1])  # compile / load
+        times, errs = [], []
+        for i in range(n):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                t, out = _timed(lambda i=i: den(None, om[i:i + 1], V[None], obs=obs[i:i + 1]), repeat=1,
+                                clock=time.process_time)
+            times.append(t)
+            errs.append(float(out.error[0]))
+        times, errs = np.array(times), np.array(errs)
+        slow = times > 1.0
+        print(f"  budget {budget} regions: mean {1e3 * times.mean():.0f} ms per sample; "
+              f"{int(np.sum(~slow))} samples at {1e3 * times[~slow].min():.0f}-{1e3 * times[~slow].max():.0f} ms, "
+              f"{int(slow.sum())} at {', '.join(f'{t:.1f}' for t in times[slow])} s; "
+              f"above tol: {int(np.sum(errs > 1e-3))} (estimates {', '.join(f'{e:.1e}' for e in errs[errs > 1e-3])})",
+              flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=100_000)
@@ -129,7 +163,12 @@ def main(argv=None):
     ap.add_argument("--modal-models",
                     default="attention_L2_T2,attention_L2_T3,attention_L3_T2,attention_L2_T2_heads2,attention_L2_T2_untied")
     ap.add_argument("--modal-reference", action="store_true", help="also time the independent cubature (1 point)")
+    ap.add_argument("--budget", action="store_true",
+                    help="only the SE's region budget: three layers at Q = diag(0, 0, 0.99), tol 1e-3, per sample")
     args = ap.parse_args(argv)
+    if args.budget:
+        bench_budget()
+        return
     if args.modal or args.modal_only:
         bench_modal(args)
         if args.modal_only:
