@@ -126,9 +126,10 @@ def _check_aim_hardmax(rows, rec):
 
     r = _inner(_series(rows, "SE rho = 0.5", "line"))
     assert se.solve(r["x"], 0.5, 2, "hardmax").mmse == pytest.approx(r["y"], rel=1e-4)
-    amp = _series(rows, "AMP d=40, rho=0.5", "errorbar")
-    for p in amp:  # AMP at d = 40 near the SE (finite-size corrections of a few tens of percent)
-        assert abs(p["y"] - se.solve(p["x"], 0.5, 2, "hardmax").mmse) < 0.5 * p["y"] + 3 * p["yerr"]
+    amp = _series(rows, f"AMP d={rec['settings']['d']}, rho=0.5", "errorbar")
+    assert amp
+    for p in amp:  # AMP at d = 100 near the SE (finite-size corrections of a few percent here)
+        assert abs(p["y"] - se.solve(p["x"], 0.5, 2, "hardmax").mmse) < 0.2 * p["y"] + 3 * p["yerr"]
 
 
 def _check_aim_small_width(rows, rec):
@@ -163,10 +164,10 @@ def _check_aim_tokens(rows, rec):
         r = _inner(_series(rows, f"SE, T = {T}", "line"))
         c = T * T + T - 2
         assert se.solve(r["x"] * 4 / c, 0.5, T).mmse == pytest.approx(r["y"], rel=1e-6, abs=1e-9)
-    amp = _series(rows, "AMP d=30", "errorbar")
+    amp = _series(rows, f"AMP d={rec['settings']['d']}", "errorbar")
     assert [p["x"] for p in amp] == [0.08, 0.16]
     for p in amp:
-        assert abs(p["y"] - se.solve(p["x"], 0.5).mmse) < 0.5 * p["y"] + 3 * p["yerr"]
+        assert abs(p["y"] - se.solve(p["x"], 0.5).mmse) < 0.2 * p["y"] + 3 * p["yerr"]
 
 
 def _check_aim_many_tokens(rows, rec):
@@ -175,10 +176,10 @@ def _check_aim_many_tokens(rows, rec):
     for T in (4, 5):
         r = _inner(_series(rows, f"SE, T = {T}", "line"))
         assert se.solve(r["x"], 0.5, T).mmse == pytest.approx(r["y"], rel=1e-6, abs=1e-9)
-        amp = _series(rows, f"AMP T = {T}, d = 40", "errorbar")
+        amp = _series(rows, f"AMP T = {T}, d = {rec['settings']['d']}", "errorbar")
         assert len(amp) == 2
         for p in amp:
-            assert abs(p["y"] - se.solve(p["x"], 0.5, T).mmse) < 0.5 * p["y"] + 3 * p["yerr"]
+            assert abs(p["y"] - se.solve(p["x"], 0.5, T).mmse) < 0.2 * p["y"] + 3 * p["yerr"]
         tick = _series(rows, f"SE, T = {T}", "vline")[0]["x"]
         assert tick == pytest.approx(se.perfect_recovery_counting(0.5, T))
     assert {x["tokens"] for x in rec["printed"][0]["data"]["amp"]} == {4, 5}
@@ -228,7 +229,7 @@ def _check_gamp(rows, rec):
 def _check_held_layer(rows, rec):
     """Layer 1's final overlap vs the held overlap q of layer 2: near zero at q = 0, clearly
     learned at q = 0.99; the curve is the summary's numbers."""
-    pts = sorted(_series(rows, "layer 1, layer 2 held at q", "errorbar"), key=lambda r: r["x"])
+    pts = sorted(_series(rows, f"layer 1, layer 2 held at q, d={rec['settings']['d']}", "errorbar"), key=lambda r: r["x"])
     s = rec["summary"]
     assert [r["x"] for r in pts] == pytest.approx(s["held_overlaps"])
     assert [r["y"] for r in pts] == pytest.approx([m[0] for m in s["final_M_diag"]])
@@ -236,7 +237,7 @@ def _check_held_layer(rows, rec):
 
 
 def _check_gd(rows, rec):
-    last = _series(rows, "layer 2, alpha=16", "errorbar")[-1]
+    last = _series(rows, f"layer 2, alpha=16, d={rec['settings']['d']}", "errorbar")[-1]
     assert rec["summary"]["alpha_16"]["final_overlap"][1] == pytest.approx(last["y"])
     assert 0 <= last["y"] <= 1
 
