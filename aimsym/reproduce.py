@@ -16,7 +16,9 @@ A run writes into its folder (default ``reproduce/NAME``):
 - ``NAME.json``: what was run (paper, figure, caption, settings, the panels' titles and axis
   labels, the solvers' summaries, provenance: seed, model hash, versions, accuracy, time);
 - ``NAME_<table>.csv`` where a figure has a finer table (every SE point with its standard error
-  and provenance columns; the phase-diagram thresholds).
+  and provenance columns; the phase-diagram thresholds);
+- ``NAME_state/``: what the figure's code keeps between runs (``STATE_FILES``: the SE sweep's
+  store, the thresholds), so a rerun into the same folder resumes.
 """
 
 from __future__ import annotations
@@ -77,6 +79,17 @@ class PaperFigure:
 
 
 # ----------------------------------------------------------------------------- SMI paper
+def _resume_json(path: Path, key: dict):
+    """The value stored at path by an earlier run with the same key (model hash and settings), or None."""
+    if not path.is_file():
+        return None
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return rec["value"] if rec.get("key") == json.loads(json.dumps(key)) else None
+
+
 def se_overlaps(work: Path, model: str, *, title: str, alphas, samples: int, tol: float, nodes: int | None,
                 th_samples: int, th_se_samples: int, pr_samples: int, seed: int = 0) -> dict:
     """Per-layer SE overlaps vs alpha (skip 1, uninformed start, warm starts along alpha) with the
@@ -88,9 +101,14 @@ def se_overlaps(work: Path, model: str, *, title: str, alphas, samples: int, tol
     from .studies.sweep import export, run_sweep
 
     m = load(model, skip=1.0)
-    rep = threshold_report(m, samples=th_samples, se_samples=th_se_samples, nodes=nodes, seed=seed,
-                           pr_samples=pr_samples, pr_algorithmic=False)
-    th = json.loads(json.dumps(rep, default=to_builtin))
+    th_key = {"model_hash": m.hash(), "samples": th_samples, "se_samples": th_se_samples, "nodes": nodes, "seed": seed,
+              "pr_samples": pr_samples}
+    th = _resume_json(work / "thresholds.json", th_key)
+    if th is None:
+        rep = threshold_report(m, samples=th_samples, se_samples=th_se_samples, nodes=nodes, seed=seed,
+                               pr_samples=pr_samples, pr_algorithmic=False)
+        th = json.loads(json.dumps(rep, default=to_builtin))
+        (work / "thresholds.json").write_text(json.dumps({"key": th_key, "value": th}))
     store = work / "sweep.sqlite"
     run_sweep(model, alphas, params={"skip": [1.0]}, store=store, samples=samples, tol=tol, nodes=nodes, seed=seed,
               workers=1, progress=True)
@@ -444,6 +462,20 @@ def _out_folder(out, name: str) -> Path:
     return path
 
 
+# what a figure's code keeps between runs in OUT/NAME_state/ (the SE points of its sweep, its
+# thresholds): a rerun with the same --out reuses what matches its settings and model hash
+STATE_FILES = ("sweep.sqlite", "thresholds.json")
+
+
+def _copy_state(src: Path, dst: Path) -> None:
+    import shutil
+
+    for fname in STATE_FILES:
+        if (src / fname).is_file():
+            dst.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / fname, dst / fname)
+
+
 def run(name: str, out=None, *, quick: bool = False, dpi: int = 100) -> dict:
     """Draw one figure (see the module docstring for the files); returns the sidecar record."""
     from .plot.se import collecting_figures
@@ -456,8 +488,14 @@ def run(name: str, out=None, *, quick: bool = False, dpi: int = 100) -> dict:
     folder = _out_folder(out, name)
     t0 = time.perf_counter()
     printed = io.StringIO()
+    state = folder / f"{name}_state"
     with tempfile.TemporaryDirectory() as tmp, collecting_figures() as figs, contextlib.redirect_stdout(printed):
-        result = entry.draw(Path(tmp), quick) or {}
+        work = Path(tmp)
+        _copy_state(state, work)
+        try:
+            result = entry.draw(work, quick) or {}
+        finally:  # (also when interrupted: a rerun with the same --out resumes from here)
+            _copy_state(work, state)
     if not figs:
         raise RuntimeError(f"{name}: the figure code saved no figure")
     fig = figs[-1][0]
@@ -470,6 +508,8 @@ def run(name: str, out=None, *, quick: bool = False, dpi: int = 100) -> dict:
     for key, table in (result.get("tables") or {}).items():
         files[key] = folder / f"{name}_{key}.csv"
         _write_csv(files[key], table)
+    if state.is_dir():
+        files["state"] = state
     import matplotlib.pyplot as plt
 
     plt.close(fig)

@@ -420,3 +420,25 @@ def test_figure_rows_read_what_is_drawn():
     assert len(rows) == 2 + 1 + 2 + 1 + 2  # caps are not points
     assert figure_axes(fig)[1]["xlabel"] == "eigenvalue"
     plt.close(fig)
+
+
+def test_a_rerun_into_the_same_folder_resumes_from_its_state(tmp_path, monkeypatch):
+    """The SE figures keep their sweep store and thresholds in OUT/NAME_state/: a rerun with the
+    same --out computes neither again (nothing a user computed is lost, also when interrupted)."""
+    out = tmp_path / "fig"
+    first = reproduce.run("smi-fig1-left", out, quick=True)
+    data = (out / "smi-fig1-left.csv").read_text()
+    state = out / "smi-fig1-left_state"
+    assert (state / "sweep.sqlite").is_file() and (state / "thresholds.json").is_file()
+
+    def boom(*a, **k):
+        raise AssertionError("recomputed")
+
+    import aimsym.smi.se
+    import aimsym.smi.thresholds
+
+    monkeypatch.setattr(aimsym.smi.thresholds, "threshold_report", boom)
+    monkeypatch.setattr(aimsym.smi.se, "state_evolution", boom)
+    second = reproduce.run("smi-fig1-left", out, quick=True)
+    assert (out / "smi-fig1-left.csv").read_text() == data
+    assert json.dumps(second["summary"]) == json.dumps(first["summary"])
