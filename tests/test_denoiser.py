@@ -150,6 +150,7 @@ MODELS = [
     ("glm_phase_retrieval", {}, {}),
     ("gaussian_channel", {"Delta": 0.5}, {}),
     ("attention_hardmax_L1_T2", {}, {}),
+    ("attention_depth_limit_T2", {}, {}),
 ]
 
 
@@ -207,7 +208,7 @@ def test_uninformed_g_out_vanishes_for_even_models(name, values, acc):
     assert np.max(np.abs(out.g_out)) < 1e-10
 
 
-@pytest.mark.parametrize("name,values,acc", [MODELS[0], MODELS[3], MODELS[4], MODELS[5], MODELS[7]])
+@pytest.mark.parametrize("name,values,acc", [MODELS[0], MODELS[3], MODELS[4], MODELS[5], MODELS[7], MODELS[8]])
 def test_nishimori_identity(name, values, acc):
     m = load(name, **values)
     rng = np.random.default_rng(7)
