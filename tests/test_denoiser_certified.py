@@ -232,15 +232,15 @@ def _regime_points(m, rng, n):
     return np.array(oms), np.array(obs), np.array(Vs)
 
 
-def _honesty(name, n, tol, seed, ref_tol=1e-10):
+def _honesty(name, n, tol, seed, ref_tol=1e-10, max_regions=None, ref_regions=400_000):
     """Share of points whose actual error (against the same rule at ref_tol with a large
     budget) is at most the estimate."""
     m = load(name)
     om, obs, V = _regime_points(m, np.random.default_rng(seed), n)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        out = m.denoiser(rule="modal", tol=tol)(None, om, V, obs=obs)
-        ref = m.denoiser(rule="modal", tol=ref_tol, max_regions=400_000)(None, om, V, obs=obs)
+        out = m.denoiser(rule="modal", tol=tol, max_regions=max_regions)(None, om, V, obs=obs)
+        ref = m.denoiser(rule="modal", tol=ref_tol, max_regions=ref_regions)(None, om, V, obs=obs)
     actual = np.array([rel_error(out, i, ref.g_out[i], ref.dg_out[i], ref.log_z_out[i]) for i in range(n)])
     ok = actual <= out.error + ref.error  # (the reference's own estimate counts against it)
     return ok.mean(), actual, out.error
@@ -257,10 +257,19 @@ def test_error_estimate_is_honest_T3_24_points():
     assert share == 1.0, (actual, est)
 
 
+# (tol, reference tol, region budget of both): at k = 4 the SE's budget (smi.se.SE_CERTIFIED_REGIONS),
+# where the estimate is checked also on the samples that end at the budget above tol (a quarter at
+# 1e-4); about 25 min of CPU per four-dimensional model
+HONESTY = {"attention_L2_T3": (1e-6, 1e-10, None), "attention_L3_T2": (1e-4, 1e-7, 2000),
+           "attention_L2_T2_heads2": (1e-4, 1e-7, 2000)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_error_estimate_is_honest_1000_points(name):
-    share, actual, est = _honesty(name, 1000, 1e-6, 42)
+    tol, ref_tol, budget = HONESTY[name]
+    share, actual, est = _honesty(name, 1000, tol, 42, ref_tol=ref_tol, max_regions=budget,
+                                  ref_regions=budget or 400_000)
     assert share >= 0.99, share
 
 
