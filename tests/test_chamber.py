@@ -168,7 +168,8 @@ def test_k3_and_k4_defaults_are_certified(name):
     den = m.denoiser()
     assert den.rule == "modal" and den.tol == 1e-8
     assert se.denoiser_accuracy(m, samples=1 << 16) == {"rule": "modal", "tol": pytest.approx(se.SE_STAT_SHARE / 256),
-                                                       "max_regions": se.SE_CERTIFIED_REGIONS}
+                                                       "max_regions": se.SE_CERTIFIED_REGIONS,
+                                                       "max_combinations": se.SE_CERTIFIED_COMBINATIONS}
     assert se.denoiser_accuracy(m, samples=1024)["tol"] == se.SE_TOL_MAX
     assert se.denoiser_accuracy(m, nodes=6).get("nodes") == 6
     assert m.denoiser(nodes=6).rule == "auto"
@@ -200,3 +201,15 @@ def test_untied_level_difference_estimate_is_honest():
         est = difference(cur[0], cur[1], prev[0], prev[1], cur[2][:, 0], prev[2][:, 0])
         act = difference(cur[0], cur[1], ref[0], ref[1], cur[2][:, 0], ref[2][:, 0])
         assert np.all(act <= est), (lv, act, est)
+
+
+def test_combination_budget_sets_the_finest_level():
+    """max_level(K, budget) is the finest level whose node combinations (per block, to the power of
+    the blocks) fit the budget; the denoiser passes its max_combinations through."""
+    m = load("attention_L3_T2")
+    K = modal.load(m.kernels)
+    nb = len(K.CHAMBER_BLOCKS)
+    for lv in range(1, len(chamber.LEVELS)):
+        n = chamber.nodes_per_block(int(K.T), lv) ** nb
+        assert chamber.max_level(K, n) == lv and chamber.max_level(K, n - 1) == lv - 1
+    assert m.denoiser(rule="modal", max_combinations=123).max_combinations == 123

@@ -605,6 +605,13 @@ def test_tol_is_validated():
         den(np.full((2, 2), 0.5), np.zeros((2, 2)), np.eye(2), tol=-1.0)
 
 
+@pytest.mark.parametrize("field", ["max_regions", "max_combinations"])
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "many"])
+def test_budgets_are_validated(field, bad):
+    with pytest.raises(ChannelError, match=field):
+        load("attention_L2_T2", skip=1.0).denoiser(**{field: bad})
+
+
 # ----------------------------------------------------------------------------- robustness
 
 

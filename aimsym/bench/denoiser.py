@@ -113,7 +113,7 @@ def _load() -> str:
 SE_LABELS = ["moderate", "V=diag(1,.05)", "V=diag(.5,.02)", "V=.02 I"]
 
 
-def bench_budget(n=16, q=0.99, budgets=(100_000, 2_000)):
+def bench_budget(n=16, q=0.99, budgets=((100_000, None), (2_000, None), (2_000, 6_000_000))):
     """The SE's region budget for the certified rule (smi.se.SE_CERTIFIED_REGIONS): CPU time and
     error estimate per sample, one thread, three layers (skip 1) at Q = diag(0, 0, q), tol 1e-3,
     SE points omega ~ N(0, Q), Z ~ N(omega, I - Q)."""
@@ -126,8 +126,8 @@ def bench_budget(n=16, q=0.99, budgets=(100_000, 2_000)):
     obs = np.array([m.observation(z) for z in om + np.sqrt(V) @ rng.standard_normal((n, p, T))])
     numba.set_num_threads(1)
     print(f"three layers T = 2 (skip 1), Q = diag(0, 0, {q}), tol 1e-3, one thread; {_load()}")
-    for budget in budgets:
-        den = m.denoiser(tol=1e-3, max_regions=budget)
+    for budget, combos in budgets:
+        den = m.denoiser(tol=1e-3, max_regions=budget, max_combinations=combos)
         den(None, om[:1], V[None], obs=obs[:1])  # compile / load
         times, errs = [], []
         for i in range(n):
@@ -139,9 +139,9 @@ def bench_budget(n=16, q=0.99, budgets=(100_000, 2_000)):
             errs.append(float(out.error[0]))
         times, errs = np.array(times), np.array(errs)
         slow = times > 1.0
-        print(f"  budget {budget} regions: mean {1e3 * times.mean():.0f} ms per sample; "
-              f"{int(np.sum(~slow))} samples at {1e3 * times[~slow].min():.0f}-{1e3 * times[~slow].max():.0f} ms, "
-              f"{int(slow.sum())} at {', '.join(f'{t:.1f}' for t in times[slow])} s; "
+        print(f"  budget {budget} regions, {den.max_combinations:.0e} node combinations: mean {1e3 * times.mean():.0f} ms per sample; "
+              f"{int(np.sum(~slow))} samples at {1e3 * times[~slow].min():.0f}-{1e3 * times[~slow].max():.0f} ms"
+              + (f", {int(slow.sum())} at {', '.join(f'{t:.1f}' for t in times[slow])} s" if slow.any() else "") + "; "
               f"above tol: {int(np.sum(errs > 1e-3))} (estimates {', '.join(f'{e:.1e}' for e in errs[errs > 1e-3])})",
               flush=True)
 

@@ -116,15 +116,16 @@ def _broad(K, omega, V, params) -> np.ndarray:
     return np.any(width > BROAD, axis=1)
 
 
-def max_level(K, tol: float) -> int:
-    """The finest level within the budget (``MAX_COMBINATIONS`` node combinations per sample);
-    the levels are tried in turn, so a loose tol stops early anyway."""
+def max_level(K, budget: int | None = None) -> int:
+    """The finest level within the budget (node combinations per sample, default
+    ``MAX_COMBINATIONS``); the levels are tried in turn, so a loose tol stops early anyway."""
     if untied_applies(K):
         return len(UNTIED_LEVELS) - 1
     T, nb = int(K.T), len(K.CHAMBER_BLOCKS)
+    budget = MAX_COMBINATIONS if budget is None else budget
     top = 0
     for lv in range(len(LEVELS)):
-        if nodes_per_block(T, lv) ** nb <= MAX_COMBINATIONS:
+        if nodes_per_block(T, lv) ** nb <= budget:
             top = lv
     return top
 

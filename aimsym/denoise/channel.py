@@ -184,7 +184,7 @@ class Denoiser:
     def __init__(self, model, *, nodes: int | None = None, adapt: int | None = None, inflate: float = 1.0,
                  polar: tuple[int, int] | None | str = "auto", check_tol: float = GH_CHECK_TOL,
                  tol: float | None | str = "auto", polar_map: str = DEFAULT_POLAR_MAP, rule: str = "auto",
-                 max_regions: int | None = None):
+                 max_regions: int | None = None, max_combinations: int | None = None):
         # an explicit Gauss-Hermite size is a request for that rule (e.g. the solvers' fast
         # low-accuracy settings); the polar rule is the default only when neither is given
         defaults = nodes is None and isinstance(polar, str)
@@ -202,6 +202,14 @@ class Denoiser:
         if isinstance(max_regions, bool) or not (isinstance(max_regions, int | np.integer) and max_regions >= 1):
             raise ChannelError("max_regions", f"must be a positive integer, got {max_regions!r}")
         self.max_regions = int(max_regions)
+        # the chamber rule's budget: node combinations per sample and level (its finest level within it)
+        from .chamber import MAX_COMBINATIONS
+        if max_combinations is None:
+            max_combinations = MAX_COMBINATIONS
+        if isinstance(max_combinations, bool) or not (isinstance(max_combinations, int | np.integer)
+                                                       and max_combinations >= 1):
+            raise ChannelError("max_combinations", f"must be a positive integer, got {max_combinations!r}")
+        self.max_combinations = int(max_combinations)
         if isinstance(polar, str):
             if polar != "auto":
                 raise ChannelError("polar", f"must be (angle nodes, radial nodes), None or 'auto'; got {polar!r}")
@@ -276,6 +284,7 @@ class Denoiser:
                 "gh_check_tol": self.check_tol if self.polar else None, "tol": self.tol,
                 "max_refine": MAX_REFINE, "rule": self.rule,
                 "max_regions": self.max_regions if self.rule == "modal" else None,
+                "max_combinations": self.max_combinations if self.rule == "modal" else None,
                 # the polar domain is sized on the posterior of u (``_sized_run``)
                 "polar_domain": ({"edge_tol": EDGE_TOL, "growth": DOMAIN_GROWTH, "max_growth": MAX_DOMAIN_GROWTH,
                                   "fits": DOMAIN_FITS, "posterior_off_sd": POSTERIOR_OFF} if self.polar else None)}
@@ -423,7 +432,8 @@ class Denoiser:
 
         p, T = self._pT
         g, dg, lz, err, evals, hit, status = modal.run(self.kernels, obs, omega, V, self.params, tol=tol,
-                                                       max_regions=self.max_regions)
+                                                       max_regions=self.max_regions,
+                                                       max_combinations=self.max_combinations)
         self._raise(status)
         if np.any(~(err <= tol)):
             warnings.warn(f"denoiser: {int(np.sum(~(err <= tol)))} of {len(err)} samples did not reach tol={tol:g} "

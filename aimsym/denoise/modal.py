@@ -161,7 +161,8 @@ def genz_malik(D: int):
     return np.ascontiguousarray(np.array(pts)), np.array(w7), np.array(w5)
 
 
-def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_REGIONS):
+def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_REGIONS,
+        max_combinations: int | None = None):
     """Error-controlled integration of a flattened batch (V leading size 1 or n): the chamber
     rule (``aimsym.denoise.chamber``, where the model has attention blocks) first for samples
     whose prior is broad next to the attention's switching layers, the fast path on the Laplace
@@ -185,7 +186,7 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
         if not use_chamber or idx.size == 0:
             return
         ok, cg, cdg, clz, cest, cev, cst = chamber.run(K, obs, omega, V, params, tol=tol, idx=idx,
-                                                       max_level=chamber.max_level(K, tol))
+                                                       max_level=chamber.max_level(K, max_combinations))
         tried[idx] = True
         better = (cst == 0) & (cest < extra[idx, 2])
         sel = idx[better]

@@ -67,11 +67,15 @@ SE_STAT_SHARE = 0.1
 SE_TOL_MAX = 1e-3
 # and its budget of adaptive-cubature regions per sample: the samples the chamber rule leaves above
 # tol lie in the far tail (the observation near the edge of what the attention can reach); there
-# 100 000 regions (the denoiser's default) took 7-34 s per sample without improving on the chamber
-# rule's estimate, 2 000 take ~1.4 s with the same estimate (three layers, Q = diag(0, 0, 0.99),
-# docs/performance.md). Samples left above tol are counted and their estimates folded into the
-# standard errors.
+# 100 000 regions (the denoiser's default) took 5-6 s per sample without improving on the chamber
+# rule's estimate, 2 000 take ~1.2 s with the same estimate (three layers, Q = diag(0, 0, 0.99),
+# docs/performance.md); and the chamber rule's budget of node combinations per sample: 6e6 stops two
+# blocks of T = 2 at level 4 (5.5e6), where those samples end at estimates of 0.9-1.8e-2 instead of
+# 0.6e-2 in 0.5 s instead of 1.2 s (the mean cost per sample there 184 -> 104 ms). Samples left above
+# tol are counted and their estimates folded into the standard errors (4-9 of 512 at the three-layer
+# SE points: the quadrature share of Q_hat's error stays at 0.02-0.05).
 SE_CERTIFIED_REGIONS = 2_000
+SE_CERTIFIED_COMBINATIONS = 6_000_000
 # where every direction of V is below MODAL_BELOW (near perfect recovery) the SE's denoiser is the
 # mode-centred rule at SE_TOL, for every reduced dimension: the posterior there is close to its
 # Laplace mixture, which the rule's fast path integrates at ~0.3 ms per sample (k = 2, 3), while
@@ -344,7 +348,8 @@ def denoiser_accuracy(model, nodes=None, polar=None, samples: int | None = None)
     blocks and no explicit ``nodes``, the certified rule at ``se_tol(samples)``."""
     dim = int(model.kernels.INTEGRAL_DIM) if hasattr(model, "kernels") else 0
     if nodes is None and dim >= 3 and len(getattr(getattr(model, "kernels", None), "CHAMBER_BLOCKS", ())) > 0:
-        return {"rule": "modal", "tol": se_tol(samples), "max_regions": SE_CERTIFIED_REGIONS}
+        return {"rule": "modal", "tol": se_tol(samples), "max_regions": SE_CERTIFIED_REGIONS,
+                "max_combinations": SE_CERTIFIED_COMBINATIONS}
     out = {}
     if nodes is not None:
         out["nodes"] = int(nodes)
