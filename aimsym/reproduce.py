@@ -274,6 +274,8 @@ def _aim_fig5(work: Path, quick: bool) -> dict:
 # they differ by the remaining distance to the fixed point: up to 1.5e-4 relative in the test
 # error (erm-errors, measured), compared within ERM_LINE_RTOL
 ERM_LINE_RTOL = 1e-3
+
+
 def _erm(which: str):
     def draw(work: Path, quick: bool) -> dict:
         from .plot.erm import make

@@ -175,6 +175,15 @@ def observe_untied(y: np.ndarray, beta: float) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([qh, e], axis=1))
 
 
+def _budget(name: str, value, default: int) -> int:
+    """A per-sample budget: a positive integer (None: the default); otherwise one error naming it."""
+    if value is None:
+        return int(default)
+    if isinstance(value, bool) or not (isinstance(value, int | np.integer) and value >= 1):
+        raise ChannelError(name, f"must be a positive integer, got {value!r}")
+    return int(value)
+
+
 class Denoiser:
     """Compiled batch denoiser of a :class:`~aimsym.model.Model`.
 
@@ -196,20 +205,12 @@ class Denoiser:
         if rule not in ("auto", "modal"):
             raise ChannelError("rule", f"must be 'auto' or 'modal'; got {rule!r}")
         self.rule = rule
-        from .modal import MAX_REGIONS
-        if max_regions is None:
-            max_regions = MAX_REGIONS
-        if isinstance(max_regions, bool) or not (isinstance(max_regions, int | np.integer) and max_regions >= 1):
-            raise ChannelError("max_regions", f"must be a positive integer, got {max_regions!r}")
-        self.max_regions = int(max_regions)
-        # the chamber rule's budget: node combinations per sample and level (its finest level within it)
         from .chamber import MAX_COMBINATIONS
-        if max_combinations is None:
-            max_combinations = MAX_COMBINATIONS
-        if isinstance(max_combinations, bool) or not (isinstance(max_combinations, int | np.integer)
-                                                       and max_combinations >= 1):
-            raise ChannelError("max_combinations", f"must be a positive integer, got {max_combinations!r}")
-        self.max_combinations = int(max_combinations)
+        from .modal import MAX_REGIONS
+        # budgets per sample: adaptive-cubature regions, and the chamber rule's node combinations per
+        # level (its finest level within the budget)
+        self.max_regions = _budget("max_regions", max_regions, MAX_REGIONS)
+        self.max_combinations = _budget("max_combinations", max_combinations, MAX_COMBINATIONS)
         if isinstance(polar, str):
             if polar != "auto":
                 raise ChannelError("polar", f"must be (angle nodes, radial nodes), None or 'auto'; got {polar!r}")
