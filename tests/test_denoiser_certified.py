@@ -320,3 +320,26 @@ def test_product_link_modal_rule_matches_direct_quadrature(v):
                    for a, b in ((-abs(w1) - 12 * s, 0.0), (0.0, abs(w1) + 12 * s))) for k in range(3)]
         g = (np.array(mom[:2]) / mom[2] - np.array([w1, w2])) / v
         assert np.allclose(out.g_out[i, :, 0], g, rtol=1e-6, atol=1e-6 * max(1.0, np.abs(g).max())), (g, out.g_out[i])
+
+
+@pytest.mark.slow
+def test_declared_six_dimensional_model_a_tighter_tol_never_returns_a_worse_estimate(tmp_path):
+    """Two heads at T = 3 (declared here, k = 6): the cascade keeps each stage's best result, so a
+    sample that misses a tight tol reports at most the estimate a loose tol accepted (before, the
+    fast path's result was dropped and the budget-stopped cubature's estimate, ~2, was reported)."""
+    text = (D / "attention_L2_T2_heads2.toml").read_text().replace("tokens = 2", "tokens = 3")
+    path = tmp_path / "heads2_T3.toml"
+    path.write_text(text)
+    m = aimsym.load(path, c=1.0)
+    assert int(m.kernels.INTEGRAL_DIM) == 6
+    rng = np.random.default_rng(0)
+    om, Z, V = se_point(m, rng)
+    om, Z = np.stack([om, se_point(m, rng, V=V)[0]]), np.stack([Z, se_point(m, rng, V=V)[1]])
+    y = m.link(Z)
+    budgets = dict(max_regions=2000, max_combinations=6_000_000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        loose = m.denoiser(rule="modal", tol=1e-2, **budgets)(y, om, V)
+        tight = m.denoiser(rule="modal", tol=1e-3, **budgets)(y, om, V)
+    assert np.all(np.isfinite(loose.error)) and np.all(loose.error <= 1e-2)
+    assert np.all(tight.error <= loose.error * (1 + 1e-9)), (tight.error, loose.error)

@@ -215,12 +215,18 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
         st = np.zeros(m, np.int64)
         st[nc < 0] = -nc[nc < 0]
         gf, dgf, exf = np.empty((m, p, T)), np.empty((m, p, T, p, T)), np.zeros((m, 4))
+        exf[:, 2] = np.inf
         fast = np.zeros(m, bool)
         if FAST:
             fast = _fast_path(K, ob, om, Vr, params, nc, cb, cm, cL, cla, tol, gf, dgf, exf, st)
         sel = rest[fast]
         g[sel], dg[sel], extra[sel] = gf[fast], dgf[fast], exf[fast]
         done[sel] = True
+        # the fast path's best result where it missed tol, if its estimate beats the chamber rule's
+        # (the later stages keep whichever estimate is the smaller)
+        kept = ~fast & (exf[:, 2] < extra[rest, 2])
+        sel = rest[kept]
+        g[sel], dg[sel], extra[sel] = gf[kept], dgf[kept], exf[kept]
         # a failure of the mode search counts only where the chamber rule has no result either
         bad = (st != 0) & ~np.isfinite(extra[rest, 2])
         status[rest[bad]] = st[bad]
@@ -274,12 +280,15 @@ def _fast_path(K, obs, omega, V, params, nc, cb, cm, cL, cla, tol, g, dg, extra,
             d = ex[:, 2] / K.MODAL_SAFETY
             # not decreasing (both changes at rounding level, or not yet converging): the sum
             est = np.maximum(np.where(d < prev_d, d, d + prev_d), FAST_ROUNDING)
-            ok = (st == 0) & (est <= tol) & np.isfinite(gg).all(axis=(1, 2)) & np.isfinite(dd).all(axis=(1, 2, 3, 4))
-            sel = active[ok]
-            g[sel], dg[sel], extra[sel] = gg[ok], dd[ok], ex[ok]
-            extra[sel, 2] = est[ok]
-            extra[sel, 1] = evals[sel]
-            done[sel] = True
+            fine = (st == 0) & np.isfinite(gg).all(axis=(1, 2)) & np.isfinite(dd).all(axis=(1, 2, 3, 4))
+            ok = fine & (est <= tol)
+            # every sample keeps its best rule so far (the smallest estimate); those within tol are done
+            better = fine & (est < extra[active, 2])
+            sel = active[better]
+            g[sel], dg[sel], extra[sel] = gg[better], dd[better], ex[better]
+            extra[sel, 2] = est[better]
+            extra[active, 1] = evals[active]
+            done[active[ok]] = True
             active, tot, d = active[~ok], tot[~ok], d[~ok]
         prev, prev_d = tot, d
     return done
