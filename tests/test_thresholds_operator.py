@@ -445,3 +445,11 @@ def test_fixed_rule_threshold_carries_its_quadrature_error():
     assert gauss.quadrature_error is not None and gauss.quadrature_error < 1e-8
     controlled = initial_threshold(aimsym.load("attention_L2_T2", skip=1.0), samples=1024)
     assert controlled.quadrature_error is None and controlled.statistical_stderr is None
+
+
+def test_denoiser_share_bench_measures_a_part_of_the_step():
+    """bench.se --share: the denoiser's time is a part of the SE step's, and most of it."""
+    from aimsym.bench.se import denoiser_share
+
+    step, inside = denoiser_share("attention_L2_T2", 512, steps=1)
+    assert 0 < inside <= step
