@@ -344,3 +344,27 @@ def test_an_index_absent_from_the_link_is_kept_and_never_learned(tmp_path):
     model = aimsym.load(_toml(tmp_path, "unused_index", 'kind = "smi"\nindices = 2\ntokens = 1\nlink = "z[0]"'))
     res = state_evolution(model, 0.5, samples=512, errors=False)
     assert abs(res.Q[0, 0] - 0.5) < 0.02 and abs(res.Q[1, 1]) < 1e-6
+
+
+def test_a_failed_thresholds_stage_keeps_alpha_c(capsys, monkeypatch):
+    """A stage after alpha_c that fails (here perfect recovery, as the untied model's local
+    stability once did inside a compiled kernel after 27 min) is named in the output, the exit
+    code is 1, and alpha_c is printed all the same."""
+    import json
+
+    from aimsym.smi import perfect
+
+    def boom(*a, **k):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(perfect, "perfect_recovery", boom)
+    argv = ["thresholds", GC, "--set", "Delta=0.3", "--samples", "1024", "--no-staircase", "--json"]
+    with pytest.warns(RuntimeWarning, match="perfect_recovery stage failed"):
+        assert cli.main(argv) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["failed"] == {"perfect_recovery": "ZeroDivisionError: division by zero"}
+    assert out["initial"]["alpha"] == pytest.approx(1.69, rel=1e-3)  # (1 + Delta)^2
+    with pytest.warns(RuntimeWarning):
+        assert cli.main(argv[:-1]) == 1
+    text = capsys.readouterr().out
+    assert "alpha_c = 1.69" in text and "perfect_recovery: failed (ZeroDivisionError" in text

@@ -126,7 +126,7 @@ def cmd_thresholds(args) -> int:
                            perfect=not args.no_perfect, pr_samples=args.pr_samples, pr_algorithmic=not args.pr_local)
     if args.json:
         print_json(rep)
-        return 0
+        return 1 if rep.failed else 0
     ini = rep.initial
     print(f"model {model.name} {model.parameters}")
     print(f"alpha_c = {_pm(ini.alpha, ini.stderr)}  (rho(F) = {_pm(ini.rho, ini.rho_stderr)}), direction:")
@@ -147,7 +147,9 @@ def cmd_thresholds(args) -> int:
                   f"  (tr Pi = {loc.trace_Pi:.4f} ± {loc.trace_Pi_stderr:.4f}, m = {pr.m})")
         if alg is not None:
             print(f"uninformed SE reaches Q = I at alpha = {alg.alpha:.4f} ± {pr.stderr:.4f} ({alg.kind})")
-    return 0
+    for stage, msg in (rep.failed or {}).items():
+        print(f"{stage}: failed ({msg}); the results above are complete")
+    return 1 if rep.failed else 0
 
 
 def _pm(x: float, err: float) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -617,7 +618,8 @@ class ThresholdReport(Result):
     accuracy: dict = field(default_factory=dict)
     seconds: float = 0.0
     provenance: dict = field(default_factory=dict)
-    OPTIONAL = ("check", "perfect_recovery")
+    failed: dict | None = None  # stage -> "ErrorType: message" for the stages after alpha_c that failed
+    OPTIONAL = ("check", "perfect_recovery", "failed")
     INITIAL_KEYS = ("alpha", "stderr", "rho", "rho_stderr", "direction", "subspace", "F", "F_stderr")
 
     def to_json(self) -> dict:
@@ -644,18 +646,22 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
     ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
     ini = initial_threshold(model, channel=ch, nodes=nodes)
     steps = [StaircaseStep(subspace=ini.subspace, alpha=ini.alpha, stderr=ini.stderr)]
-    if do_stairs and len(ini.subspace) < model.p and np.isfinite(ini.alpha):
-        steps += _staircase(model, ini.alpha, ini.subspace, samples=max(samples // 4, 1024),
-                            replicas=replicas, se_samples=se_samples, nodes=nodes, seed=seed)
     rep = ThresholdReport(initial=ini, staircase=steps)
+    # The later stages are independent of each other and can each take hours: one that fails is
+    # recorded (and warned about) instead of discarding alpha_c and the stages that succeeded.
+    if do_stairs and len(ini.subspace) < model.p and np.isfinite(ini.alpha):
+        _stage(rep, "staircase", lambda: steps.extend(_staircase(
+            model, ini.alpha, ini.subspace, samples=max(samples // 4, 1024), replicas=replicas,
+            se_samples=se_samples, nodes=nodes, seed=seed)))
     if check and np.isfinite(ini.alpha):
         a = ini.alpha
-        rep.check = threshold_by_side_information(model, lo=0.8 * a, hi=1.25 * a, nodes=nodes, seed=seed + 7)
+        _stage(rep, "check", lambda: setattr(rep, "check", threshold_by_side_information(
+            model, lo=0.8 * a, hi=1.25 * a, nodes=nodes, seed=seed + 7)))
     if perfect:
         from .perfect import perfect_recovery
 
-        rep.perfect_recovery = perfect_recovery(model, samples=pr_samples, replicas=replicas, seed=seed, nodes=nodes,
-                                                algorithmic=pr_algorithmic)
+        _stage(rep, "perfect_recovery", lambda: setattr(rep, "perfect_recovery", perfect_recovery(
+            model, samples=pr_samples, replicas=replicas, seed=seed, nodes=nodes, algorithmic=pr_algorithmic)))
     accuracy = {**ch.den.accuracy, "samples": samples, "replicas": replicas, "se_samples": se_samples,
                 "pr_samples": pr_samples if perfect else None, "rule": "scrambled Sobol (randomised QMC)"}
     rep.accuracy = accuracy
@@ -666,6 +672,17 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
 
 
 _staircase = staircase
+
+
+def _stage(rep: ThresholdReport, name: str, run) -> None:
+    """Run one stage of the report; a failure is recorded in ``rep.failed`` and warned about."""
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 (any failure of a stage; interrupts still propagate)
+        msg = f"{type(exc).__name__}: {exc}".strip()
+        rep.failed = {**(rep.failed or {}), name: msg}
+        warnings.warn(f"thresholds: the {name} stage failed ({msg}); the other results are kept",
+                      RuntimeWarning, stacklevel=2)
 
 
 # ----------------------------------------------------------------------------- phase diagram
