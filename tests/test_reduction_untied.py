@@ -266,3 +266,29 @@ def test_untied_T3_density_and_observation(tmp_path):
             f_ref, Zr = reduced_T(u[0:3], u[3:6], u[6], sg, o[:3], o[3:], omega, V, 0.8)
             assert abs(f_gen - f_ref) < 1e-9 * max(1.0, abs(f_ref))
             assert np.abs(z - Zr).max() < 1e-9 * max(1.0, np.abs(Zr).max())
+
+
+def test_adaptive_stage_survives_an_integral_far_below_the_laplace_mass():
+    """Regression input from the perfect-recovery stability pass (V ~ 1e-5, directions 1e-4 apart;
+    sample 26 of `aimsym thresholds attention_L2_T2_untied --set c=1 --pr-samples 64`): the mode search
+    fell back to the prior's scale, and the adaptive stage's integral lay ~1e-170
+    below the component's Laplace mass, where S0^2 underflowed into a ZeroDivisionError inside the
+    compiled kernel after 27 min of the report. Now: finite outputs and an estimate far above tol."""
+    from aimsym.denoise.modal import genz_malik, load
+
+    m = aimsym.load(UNTIED, c=1.0)
+    K = load(m.kernels)
+    V = np.diag([3.9988003598945276e-05, 3.9988004019164691e-09, 3.9988004019164691e-09, 3.9988004019164691e-09])
+    omega = np.array([[-0.4958739469027035, -0.18414616056356095], [0.09926335029227686, 1.5327993361007335],
+                      [0.23056660451962688, 1.5181769124923739], [0.08263938081573387, -0.44914360897064]])
+    obs = np.array([-0.5195370654361172, -1.352128399349448, 1.0])
+    cm = np.array([[-0.4941509892592298, -0.18905327069434047, 0.09926334496984442, 1.5327993414231507,
+                    -0.545743452587458]])
+    cL = np.diag([6.323606850441074e-03, 6.323606850441074e-03, 6.323606883667318e-05, 6.323606883667318e-05,
+                  1.0])[None]
+    g, dg, extra = np.empty((4, 2)), np.empty((4, 2, 4, 2)), np.empty(4)
+    status = K.modal_adaptive_one(obs, omega, V, m.params_array(), 1, np.array([1]), cm, cL,
+                                  np.array([26.12724796062848]), *genz_malik(5), 1e-4, 100_000, g, dg, extra)
+    assert status == 0
+    assert np.all(np.isfinite(g)) and np.all(np.isfinite(dg)) and np.isfinite(extra[0])
+    assert extra[2] > 1.0 and extra[3] == 1.0  # honest: far above tol, stopped by the budget

@@ -752,7 +752,9 @@ def modal_adaptive_one(obs, omega, V, params, nc, cb, cm, cL, cla, gp, w7, w5, t
         for cc in range(a + 1):
             S2[a, cc] = tot[q]
             q += 1
-    st = _finish(fshift, S0, S0 * S0, S1, S2, Vinv, g_out, dg_out, extra)
+    # (the effective-size slot of _finish is overwritten below; S0 * S0 there underflowed to 0 where
+    # the integral is far below the Laplace mass, S0 < 1e-162, and raised ZeroDivisionError)
+    st = _finish(fshift, S0, 1.0, S1, S2, Vinv, g_out, dg_out, extra)
     if st != STATUS_OK:
         return st
     extra[1] = n_eval
