@@ -444,7 +444,42 @@ def test_fixed_rule_threshold_carries_its_quadrature_error():
     gauss = initial_threshold(aimsym.load("gaussian_channel", Delta=0.5), samples=2048)
     assert gauss.quadrature_error is not None and gauss.quadrature_error < 1e-8
     controlled = initial_threshold(aimsym.load("attention_L2_T2", skip=1.0), samples=1024)
-    assert controlled.quadrature_error is None and controlled.statistical_stderr is None
+    assert controlled.quadrature_error < 1e-2 * controlled.statistical_stderr  # (next test)
+
+
+def test_controlled_rule_threshold_folds_its_error_estimates():
+    """An error-controlled denoiser's per-sample estimates bound the change of F, hence of rho
+    (Weyl) and alpha_c = 1/rho; the bound is folded into stderr, grows with the estimates, and
+    dominates where they are large (5e-2 on every sample); alpha_c itself does not move."""
+    import dataclasses
+
+    import aimsym
+    from aimsym.smi.se import Channel, make_channel
+    from aimsym.smi.thresholds import initial_threshold, operator
+
+    m = aimsym.load("attention_L2_T2", skip=1.0)
+    ch = make_channel(m, samples=1024, replicas=8, seed=0)
+
+    def with_errors(e):
+        class Den:
+            def __getattr__(self, name):
+                return getattr(ch.den, name)
+
+            def __call__(self, *a, **k):
+                out = ch.den(*a, **k)
+                return dataclasses.replace(out, error=np.full(out.error.shape, e))
+        return Den()
+
+    # below the SE's tol (1e-4), so the channel keeps them (above it, it recomputes the sample)
+    small = initial_threshold(m, channel=Channel(m, with_errors(2e-5), ch.points))
+    large = initial_threshold(m, channel=Channel(m, with_errors(8e-5), ch.points))
+    assert small.alpha == large.alpha
+    assert 3.5 < large.quadrature_error / small.quadrature_error < 4.5  # ~linear in the estimates
+    assert large.stderr == pytest.approx(np.hypot(large.statistical_stderr, large.quadrature_error))
+    out, R, n = ch.denoise(np.zeros((2, 2)))
+    op = operator(ch, np.zeros((2, 2)), [0, 1], denoised=(out, R, n))
+    big = operator(ch, np.zeros((2, 2)), [0, 1], denoised=(dataclasses.replace(out, error=np.full(out.error.shape, 5e-2)), R, n))
+    assert big.rho == op.rho and big.rho_quadrature > big.rho_stderr > 100 * op.rho_quadrature
 
 
 def test_denoiser_share_bench_measures_a_part_of_the_step():

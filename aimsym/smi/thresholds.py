@@ -183,6 +183,25 @@ def operator_blocks(ch: Channel, Q: np.ndarray, block, denoised=None) -> np.ndar
     return D.reshape(R, n, *D.shape[1:])
 
 
+def quadrature_bound(out, block, weights=None) -> float | None:
+    """Bound on the change of F (operator norm on symmetric matrices, hence of rho by Weyl: F is
+    symmetric) from the denoiser's per-sample error estimates e_n, which bound every entry of
+    dg_out to e_n max(1, max |dg_out|): ||dF|| <= mean_n sum_ts (2 k ||D_ts||_F d_n + k^2 d_n^2).
+    None where the denoiser gives no estimate."""
+    err = getattr(out, "error", None)  # (outputs assembled by hand carry only g_out, dg_out)
+    if err is None:
+        return None
+    N = out.dg_out.shape[0]
+    d = np.asarray(err, float).reshape(N) * np.maximum(1.0, np.abs(out.dg_out).reshape(N, -1).max(axis=1))
+    P = np.asarray(block)
+    k = len(P)
+    D = out.dg_out[:, P][:, :, :, P]  # (N, k, T, k, T)
+    norms = np.sqrt(np.einsum("natbs,natbs->nts", D, D))  # ||D_ts||_F
+    b = np.sum(2 * k * norms * d[:, None, None] + k * k * d[:, None, None] ** 2, axis=(1, 2))
+    w = np.ones(N) if weights is None else np.asarray(weights, float).reshape(N)
+    return float(np.mean(w * b))
+
+
 @dataclass
 class Operator(Result):
     """The weak-recovery operator F on a block at one Q (see :func:`operator`)."""
@@ -195,6 +214,8 @@ class Operator(Result):
     direction: np.ndarray
     block: list
     invariant_block: list
+    rho_quadrature: float | None = None  # bound on |d rho| from the denoiser's error estimates
+    OPTIONAL = ("rho_quadrature",)
 
 
 @dataclass
@@ -216,9 +237,9 @@ class Threshold(Result):
     q_before: float | None = None
     q_after: float | None = None
     method: str | None = None
-    # a fixed denoiser rule (no error control): the difference of alpha between the reported rule
-    # and the rule with twice (explicit nodes) or half (refined default) its nodes, folded into
-    # ``stderr`` (then sqrt(statistical^2 + quadrature^2)); None where the error is controlled
+    # the quadrature error of alpha, folded into ``stderr`` (then sqrt(statistical^2 + quadrature^2)):
+    # a fixed rule's difference to the rule with twice (explicit nodes) or half (refined default)
+    # its nodes; an error-controlled rule's bound from its per-sample estimates (alpha_c only)
     quadrature_error: float | None = None
     statistical_stderr: float | None = None
     nodes: int | None = None  # the fixed rule's nodes per dimension (after its refinement)
@@ -248,6 +269,7 @@ def operator(ch: Channel, Q: np.ndarray, block, denoised=None, weights=None) -> 
     stderr, direction; ``rho_loo``: its leave-one-replica-out values (for jackknifing derived
     quantities). ``weights`` (R, n): importance weights of the points (see :func:`initial_threshold`).
     The symmetries are those of the link at Q diagonal (sign flips commute with a diagonal Q)."""
+    denoised = denoised if denoised is not None else ch.denoise(Q)
     D = operator_blocks(ch, Q, block, denoised)
     R, k = D.shape[0], D.shape[-1]
     Fr = np.stack([operator_matrix(D[r], None if weights is None else weights[r]) for r in range(R)])
@@ -263,7 +285,8 @@ def operator(ch: Channel, Q: np.ndarray, block, denoised=None, weights=None) -> 
     _, c = _power(F[np.ix_(keep, keep)], c0, 1e-13, 20000)
     M = np.einsum("i,iab->ab", c, B[keep])
     return Operator(F=F, F_stderr=Fr.std(axis=0, ddof=1) / np.sqrt(R), rho=rho, rho_stderr=jackknife_stderr(loo),
-                    rho_loo=loo, direction=M, block=[int(i) for i in block], invariant_block=[int(i) for i in keep])
+                    rho_loo=loo, direction=M, block=[int(i) for i in block], invariant_block=[int(i) for i in keep],
+                    rho_quadrature=quadrature_bound(denoised[0], block, weights))
 
 
 def jackknife_stderr(loo: np.ndarray) -> float:
@@ -326,6 +349,11 @@ def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes
     op = operator(ch, np.zeros((p, p)), list(range(p)), weights=weights)
     th = replace(_as_threshold(op, alpha_factor=1.0), tail_scale=float(tail_scale))
     finer = finer_rule(model, ch.den)
+    if finer is None and op.rho_quadrature is not None and op.rho > 0:
+        # an error-controlled rule: the bound from its per-sample estimates
+        quad = op.rho_quadrature / op.rho**2
+        return replace(th, quadrature_error=float(quad), statistical_stderr=th.stderr,
+                       stderr=float(np.hypot(th.stderr, quad)))
     while finer is not None:
         th2 = replace(_as_threshold(operator(Channel(ch.model, finer, ch.points), np.zeros((p, p)), list(range(p)),
                                              weights=weights), alpha_factor=1.0), tail_scale=float(tail_scale))
