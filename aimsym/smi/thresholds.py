@@ -183,20 +183,18 @@ def operator_blocks(ch: Channel, Q: np.ndarray, block, denoised=None) -> np.ndar
     return D.reshape(R, n, *D.shape[1:])
 
 
-def quadrature_bound(out, block, weights=None) -> float | None:
+def quadrature_bound(out, D: np.ndarray, weights=None) -> float | None:
     """Bound on the change of F (operator norm on symmetric matrices, hence of rho by Weyl: F is
     symmetric) from the denoiser's per-sample error estimates e_n, which bound every entry of
-    dg_out to e_n max(1, max |dg_out|): ||dF|| <= mean_n sum_ts (2 k ||D_ts||_F d_n + k^2 d_n^2).
-    None where the denoiser gives no estimate."""
+    dg_out to d_n = e_n max(1, max |dg_out|): ||dF|| <= mean_n sum_ts (2 k ||D_ts||_F d_n + k^2 d_n^2).
+    ``D``: the blocks of :func:`operator_blocks` (R, n, T, T, k, k). None where the denoiser gives
+    no estimate."""
     err = getattr(out, "error", None)  # (outputs assembled by hand carry only g_out, dg_out)
     if err is None:
         return None
-    N = out.dg_out.shape[0]
+    N, k = out.dg_out.shape[0], D.shape[-1]
     d = np.asarray(err, float).reshape(N) * np.maximum(1.0, np.abs(out.dg_out).reshape(N, -1).max(axis=1))
-    P = np.asarray(block)
-    k = len(P)
-    D = out.dg_out[:, P][:, :, :, P]  # (N, k, T, k, T)
-    norms = np.sqrt(np.einsum("natbs,natbs->nts", D, D))  # ||D_ts||_F
+    norms = np.sqrt(np.einsum("ntsab,ntsab->nts", D.reshape(N, *D.shape[2:]), D.reshape(N, *D.shape[2:])))
     b = np.sum(2 * k * norms * d[:, None, None] + k * k * d[:, None, None] ** 2, axis=(1, 2))
     w = np.ones(N) if weights is None else np.asarray(weights, float).reshape(N)
     return float(np.mean(w * b))
@@ -286,7 +284,7 @@ def operator(ch: Channel, Q: np.ndarray, block, denoised=None, weights=None) -> 
     M = np.einsum("i,iab->ab", c, B[keep])
     return Operator(F=F, F_stderr=Fr.std(axis=0, ddof=1) / np.sqrt(R), rho=rho, rho_stderr=jackknife_stderr(loo),
                     rho_loo=loo, direction=M, block=[int(i) for i in block], invariant_block=[int(i) for i in keep],
-                    rho_quadrature=quadrature_bound(denoised[0], block, weights))
+                    rho_quadrature=quadrature_bound(denoised[0], D, weights))
 
 
 def jackknife_stderr(loo: np.ndarray) -> float:
