@@ -19,7 +19,7 @@ import pytest
 import aimsym
 from aimsym import codegen, modal
 from aimsym.errors import ChannelError
-from untied_reference import full_weight, moments_from, qhat_of, reduced, reference_gh
+from untied_reference import denoiser_outputs, full_weight, moments_from, qhat_of, reduced, reference_gh
 
 ROOT = codegen.REPO_ROOT
 UNTIED = ROOT / "derivations" / "attention_L2_T2_untied.toml"
@@ -140,12 +140,7 @@ def _modal(m, omega, V, obs, **kw):
 
 
 def _reference_outputs(obs, omega, V, n_u):
-    lz, mean, second = reference_gh(obs[:2], omega, V, C, n_u=n_u, n_t=100)
-    Vinv = np.linalg.inv(V)
-    g = Vinv @ (mean.reshape(4, 2) - omega)
-    cov = (second - np.outer(mean, mean)).reshape(4, 2, 4, 2)
-    dg = np.einsum("ka,atbs,bl->ktls", Vinv, cov, Vinv) - np.einsum("ts,kl->ktls", np.eye(2), Vinv)
-    return lz, g, dg
+    return denoiser_outputs(*reference_gh(obs[:2], omega, V, C, n_u=n_u, n_t=100), omega, V)
 
 
 @pytest.mark.parametrize("seed", [1, 2])

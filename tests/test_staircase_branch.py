@@ -29,13 +29,18 @@ def test_branch_alpha_is_the_restricted_se_fixed_point():
                                init=np.diag([0.0, q + 0.05]))
         assert r.Q[1, 1] == pytest.approx(q, abs=2e-4)
         assert r.Q[0, 0] == 0.0
+        # the error-controlled rule's estimates give alpha and f quadrature bounds, small at its tol
+        assert 0.0 < bp["alpha_quad"] < 1e-3 * bp["alpha"] and 0.0 < bp["f_quad"] < 1e-2
 
 
 class FakeBranch:
-    """branch_point stand-in: alpha(q) and rho(q) given as functions (no replica noise)."""
+    """branch_point stand-in: alpha(q) and rho(q) given as functions (no replica noise), optionally
+    with fixed quadrature bounds on alpha and f."""
 
-    def __init__(self, alpha, rho):
+    def __init__(self, alpha, rho, alpha_quad=None, f_quad=None, f_spread=0.0):
         self.alpha, self.rho, self.calls = alpha, rho, 0
+        self.quad = {"alpha_quad": alpha_quad, "f_quad": f_quad}
+        self.spread = f_spread * np.resize([1.0, -1.0], R)  # leave-one-out values around f
 
     def __call__(self, ch, k, P, q):
         self.calls += 1
@@ -45,15 +50,15 @@ class FakeBranch:
         op = th.Operator(F=np.array([[r]]), F_stderr=np.zeros((1, 1)), rho=r, rho_stderr=0.0,
                          rho_loo=np.full(R, r), direction=np.ones((1, 1)), block=list(P), invariant_block=[0])
         return {"q": q, "alpha": a, "alpha_loo": np.full(R, a), "op": op, "f": a * r - 1.0,
-                "f_loo": np.full(R, a * r - 1.0), "Q": Q}
+                "f_loo": a * r - 1.0 + self.spread, "Q": Q, **self.quad}
 
 
 class Tiny:
     p = 2
 
 
-def walk(monkeypatch, alpha, rho, start=0.2):
-    fake = FakeBranch(alpha, rho)
+def walk(monkeypatch, alpha, rho, start=0.2, **quad):
+    fake = FakeBranch(alpha, rho, **quad)
     monkeypatch.setattr(th, "branch_point", fake)
     return th.next_threshold_branch(Tiny(), 1, start, ch=None), fake
 
@@ -65,6 +70,37 @@ def test_walk_continuous_root(monkeypatch):
     assert not res["jump"] and res["subspace"] == [0]
     assert res["alpha"] == pytest.approx(0.2 + q, abs=2e-4)
     assert res["stderr"] == 0.0 and fake.calls < 20
+
+
+def test_walk_root_stops_at_its_statistical_resolution(monkeypatch):
+    """With replica noise on f the root is refined only to a tenth of its statistical error in s:
+    fewer denoiser passes than the noiseless walk, and alpha within that resolution."""
+    xtols = []
+
+    def brentq(f, a, b, xtol):
+        xtols.append(xtol)
+        return th.brentq.__wrapped__(f, a, b, xtol=xtol)
+
+    brentq.__wrapped__ = th.brentq
+    monkeypatch.setattr(th, "brentq", brentq)
+    exact, f0 = walk(monkeypatch, lambda q: 0.2 + q, lambda q: 1 + 3 * q)
+    noisy, f1 = walk(monkeypatch, lambda q: 0.2 + q, lambda q: 1 + 3 * q, f_spread=0.01)
+    # jackknife error of f: sqrt((R - 1) / R * sum (loo - mean)^2) = 0.01 sqrt(R - 1); slope of f in s
+    # over the bracket is about 2, so xtol is about 0.1 * 0.026 / 2
+    assert xtols[0] == 1e-4 and 5e-4 < xtols[1] < 5e-3
+    assert f1.calls <= f0.calls
+    assert abs(noisy["alpha"] - exact["alpha"]) < noisy["stderr"]
+
+
+def test_walk_root_folds_the_quadrature_bounds(monkeypatch):
+    """f off by f_quad moves the root by f_quad / f'(s), alpha by alpha'(s) times that, plus alpha's
+    own bound: with alpha = 0.2 + q, rho = 1 + 3 q (q = 1 - e^-s) that is f_quad / (rho + 3 alpha)
+    + alpha_quad at the root; statistical part 0, so stderr is the quadrature error."""
+    res, _ = walk(monkeypatch, lambda q: 0.2 + q, lambda q: 1 + 3 * q, alpha_quad=1e-3, f_quad=2e-2)
+    q = (-1.6 + np.sqrt(12.16)) / 6
+    want = 2e-2 / ((1 + 3 * q) + 3 * (0.2 + q)) + 1e-3
+    assert res["quadrature_error"] == pytest.approx(want, rel=0.05)
+    assert res["statistical_stderr"] == 0.0 and res["stderr"] == pytest.approx(res["quadrature_error"])
 
 
 def bump(q):

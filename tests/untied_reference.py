@@ -195,6 +195,18 @@ def reference_gh(qhat, omega, V, c, *, n_u=16, n_t=160, t_range=None, chunk=200_
     return moments_from(lw[ok], np.concatenate(Zs)[ok], np.concatenate(ws)[ok], np.concatenate(Cs)[ok])
 
 
+def denoiser_outputs(lz, mean, second, omega, V):
+    """(log Z_out, g_out, dg_out) from the posterior's moments: g = V^-1 (E[Z] - omega) per token,
+    dg = V^-1 Cov V^-1 - I_T x V^-1."""
+    p, T = omega.shape
+    Vinv = np.linalg.inv(V)
+    g = Vinv @ (mean.reshape(p, T) - omega)
+    m = mean.ravel()
+    cov = (second - np.outer(m, m)).reshape(p, T, p, T)
+    dg = np.einsum("ka,atbs,bl->ktls", Vinv, cov, Vinv) - np.einsum("ts,kl->ktls", np.eye(T), Vinv)
+    return lz, g, dg
+
+
 def reduced_T(u_q, u_k, s, sg, qhat, ehat, omega, V, c):
     """Log weight of the reduced posterior at any T over (u, s), lambda = sg exp(s + s_ref), and
     E[Z | u, s] (4, T): theory section 3 written out with numpy (two untied layers)."""
@@ -217,3 +229,154 @@ def reduced_T(u_q, u_k, s, sg, qhat, ehat, omega, V, c):
     lw += -np.log(abs(np.linalg.det(A))) - np.log(abs(lam))  # |det A|^-1 |lambda|^-2, d lambda = |lambda| ds
     mv = mu + F.T @ np.linalg.solve(FF, r)
     return lw, np.vstack([Zo, mv])
+
+
+def _axis_rule(centre, sd, n_gl, radius=8.0, step=None, fine=(0.25, 0.5, 1.0, 1.5, 2.0)):
+    """Composite Gauss-Legendre nodes and weights on centre +- radius sd, with breakpoints at 0 and
+    at +-fine (absolute: the first layer's attention switches at |x| ~ 1/|other coordinate|, so its
+    poles sit at imaginary distance pi/|other| above x = 0), no panel wider than step (sd)."""
+    step = sd if step is None else step
+    lo, hi = centre - radius * sd, centre + radius * sd
+    br = {lo, hi}
+    br.update(b for b in (0.0, *fine, *(-f for f in fine)) if lo < b < hi)
+    pts = sorted(br)
+    out = [pts[0]]
+    for b in pts[1:]:
+        k = int(np.ceil((b - out[-1]) / step))
+        out.extend(out[-1] + (b - out[-1]) * np.arange(1, k + 1) / k)
+    edges = np.array(out)
+    x, w = np.polynomial.legendre.leggauss(n_gl)
+    a, b = edges[:-1, None], edges[1:, None]
+    return (0.5 * (a + b) + 0.5 * (b - a) * x).ravel(), (0.5 * (b - a) * w).ravel()
+
+
+def reference_fine(qhat, omega, V, c, *, n_gl=8, n_t=256, panel=1.0, radius=8.0, chunk=2000):
+    """The untied two-layer T = 2 posterior (both layers beta = 1) to ~1e-9, by a route of its own:
+
+    * coordinates x = z1Q (two tokens), delta1 = z1K_2 - z1K_1, kappa = key mean, lambda = the
+      second layer's key difference (qhat = q lambda), t = log|lambda| on both signs;
+    * kappa exactly: the log weight is quadratic in kappa (the attention sees key differences and
+      the rows of A sum to 1 + c, so kappa leaves the key's likelihood), Z affine in it;
+    * given (x, delta1) the log weight is an explicit function of r = 1/lambda and lambda: a
+      coarse scan of the whole t range (step 0.05) finds the window where it is within 60 of its
+      maximum (every mode), and a trapezoid rule of n_t points covers that window (spectral for
+      this analytic, double-exponentially decaying integrand);
+    * (x1, x2, delta1): composite Gauss-Legendre (``_axis_rule``, panels at most panel x sd) on
+      the prior box of radius ``radius`` sd.
+
+    Returns (log Z_out, E[Z] (4, 2), E[vec Z vec Z^T], edge) with ``edge`` the largest weight share
+    on the t windows' ends and the outer box's faces (must be negligible). Compare two sizes
+    (n_gl, n_t) for its own accuracy."""
+    T = 2
+    Vo = V[:3, :3]
+    Po = np.linalg.inv(Vo)
+    P = np.linalg.inv(V)
+    s2 = 1.0 / P[3, 3]
+    p3 = P[3, :3]
+    Sbb = T * Po[1, 1]
+    const = -0.5 * T * np.linalg.slogdet(2 * np.pi * Vo)[1] + 0.5 * np.log(2 * np.pi / Sbb)
+    sd_x, sd_d = np.sqrt(V[0, 0]), np.sqrt(2 * V[1, 1])
+    x1, w1 = _axis_rule(omega[0, 0], sd_x, n_gl, radius, step=panel * sd_x)
+    x2, w2 = _axis_rule(omega[0, 1], sd_x, n_gl, radius, step=panel * sd_x)
+    d1, wd = _axis_rule(omega[1, 1] - omega[1, 0], sd_d, n_gl, radius, step=panel * sd_d)
+    G = np.stack(np.meshgrid(x1, x2, d1, indexing="ij"), -1).reshape(-1, 3)
+    WG = (w1[:, None, None] * w2[None, :, None] * wd[None, None, :]).ravel()
+    face = np.zeros(len(G), bool)
+    for j, xs in enumerate((x1, x2, d1)):
+        face |= (G[:, j] == xs[0]) | (G[:, j] == xs[-1])
+    # t range to scan: |lambda| = |Lf . z2K| <= 2 (1 + c) |z2K|, |q| <= (1 + c) |z2Q| on a wide box
+    kmax = 2 * np.sqrt(2) * (1 + c) * (np.abs(omega[3]).max() + (radius + 2) * np.sqrt(V[3, 3]))
+    qmax = 2 * (1 + c) * (np.abs(omega[2]).max() + (radius + 2) * np.sqrt(V[2, 2]))
+    t_scan = np.arange(np.log(np.abs(qhat).max() / qmax), np.log(kmax) + 0.05, 0.05)
+    tau = np.linspace(-1.0, 1.0, n_t)
+    w_tau = np.full(n_t, 2.0 / (n_t - 1))
+    w_tau[[0, -1]] *= 0.5
+
+    acc = {"shift": -np.inf, "S0": 0.0, "EZ": np.zeros(8), "EZZ": np.zeros((8, 8)), "edge_t": 0.0, "face": 0.0}
+
+    def add(lw, EZ, EZZ, edge_t, face_w):
+        sh = max(acc["shift"], lw.max())
+        f_old, f_new = np.exp(acc["shift"] - sh), np.exp(lw - sh)
+        acc["S0"] = acc["S0"] * f_old + f_new.sum()
+        acc["EZ"] = acc["EZ"] * f_old + np.einsum("n,na->a", f_new, EZ)
+        acc["EZZ"] = acc["EZZ"] * f_old + np.einsum("n,nab->ab", f_new, EZZ)
+        acc["edge_t"] = acc["edge_t"] * f_old + np.sum(f_new * edge_t)
+        acc["face"] = acc["face"] * f_old + np.sum(f_new * face_w)
+        acc["shift"] = sh
+
+    for i0 in range(0, len(G), chunk):
+        X, W, fc = G[i0:i0 + chunk], WG[i0:i0 + chunk], face[i0:i0 + chunk]
+        x, dl = X[:, :2], X[:, 2]
+        s_ = 1.0 / (1.0 + np.exp(-x * dl[:, None]))  # row a of the first attention: (1 - s_a, s_a)
+        A = np.empty((len(X), 2, 2))
+        A[:, :, 0], A[:, :, 1] = 1.0 - s_, s_
+        A[:, 0, 0] += c
+        A[:, 1, 1] += c
+        det = A[:, 0, 0] * A[:, 1, 1] - A[:, 0, 1] * A[:, 1, 0]
+        Lf = A[:, 1, :] - A[:, 0, :]
+        LL = np.sum(Lf ** 2, 1)
+        # A singular only in the limit |x delta1| -> inf (for c = 1), where z2Q -> inf: weight 0
+        keep = (np.abs(det) > 1e-12) & (LL > 1e-24)
+        X, W, fc, A, det, Lf, LL, x, dl = X[keep], W[keep], fc[keep], A[keep], det[keep], Lf[keep], LL[keep], \
+            x[keep], dl[keep]
+        n = len(X)
+        w = np.stack([A[:, 1, 1] * qhat[0] - A[:, 0, 1] * qhat[1],
+                      -A[:, 1, 0] * qhat[0] + A[:, 0, 0] * qhat[1]], 1) / det[:, None]  # z2Q = w / lambda
+        zk0 = np.stack([-0.5 * dl, 0.5 * dl], 1)
+        a = np.stack([x - omega[0], zk0 - omega[1], np.broadcast_to(-omega[2], (n, 2))], 1)  # (n, 3, T)
+        Pa = np.einsum("ij,njt->nit", Po, a)
+        Saa = np.einsum("nit,nit->n", a, Pa)
+        Sab = Pa[:, 1, :].sum(1)
+        Sac = np.sum(w * Pa[:, 2, :], 1)
+        Sbc = Po[1, 2] * w.sum(1)
+        Scc = Po[2, 2] * np.sum(w ** 2, 1)
+        p3a = np.einsum("i,nit->nt", p3, a)
+        m0 = Lf @ omega[3] - s2 * np.sum(Lf * p3a, 1)
+        m1 = -s2 * p3[2] * np.sum(Lf * w, 1)
+        base = const - 0.5 * np.log(2 * np.pi * s2 * LL) - np.log(np.abs(det))
+        # Z = Z0 + kappa Zk + r Zr + lambda Zl (rows of B; vec index k * 2 + t)
+        B = np.zeros((n, 4, 8))
+        B[:, 0, 0:2], B[:, 0, 2:4] = x, zk0
+        B[:, 0, 6:8] = omega[3] - s2 * p3a - Lf * (m0 / LL)[:, None]
+        B[:, 1, 2:4] = 1.0
+        B[:, 1, 6:8] = -s2 * p3[1]
+        B[:, 2, 4:6] = w
+        B[:, 2, 6:8] = -s2 * p3[2] * w - Lf * (m1 / LL)[:, None]
+        B[:, 3, 6:8] = Lf / LL[:, None]
+        # Var(kappa) Zk Zk^T and the residual covariance of z2K given (u, lambda)
+        extra = np.einsum("na,nb->nab", B[:, 1], B[:, 1]) / Sbb
+        extra[:, 6:8, 6:8] += s2 * (np.eye(2)[None] - Lf[:, :, None] * Lf[:, None, :] / LL[:, None, None])
+
+        def log_weight(t, sg):
+            lam = sg * np.exp(t)
+            r = 1.0 / lam
+            U = Sab[:, None] + r * Sbc[:, None]
+            lw = (base[:, None] - t
+                  - 0.5 * (Saa[:, None] + 2 * r * Sac[:, None] + r * r * Scc[:, None] - U * U / Sbb)
+                  - 0.5 * (lam - m0[:, None] - r * m1[:, None]) ** 2 / (s2 * LL[:, None]))
+            return lw, -U / Sbb, r, lam
+
+        for sg in (1.0, -1.0):
+            lw_c = log_weight(t_scan[None, :], sg)[0]
+            top = lw_c.max(1)
+            inside = lw_c > top[:, None] - 60.0
+            lo = t_scan[np.argmax(inside, 1)] - 0.1
+            hi = t_scan[len(t_scan) - 1 - np.argmax(inside[:, ::-1], 1)] + 0.1
+            mid, half = 0.5 * (lo + hi), 0.5 * (hi - lo)
+            t = mid[:, None] + half[:, None] * tau[None, :]
+            lw, mk, r, lam = log_weight(t, sg)
+            sh = lw.max()
+            e = np.exp(lw - sh) * (half[:, None] * w_tau[None, :])
+            v = np.stack(np.broadcast_arrays(np.ones_like(mk), mk, r, lam), -1)  # (n, n_t, 4)
+            M = np.einsum("nt,nti,ntj->nij", e, v, v)
+            s0 = M[:, 0, 0]
+            ok = s0 > 0
+            den = np.where(ok, s0, 1.0)
+            EZ = np.einsum("ni,nia->na", M[:, 0, :], B) / den[:, None]
+            EZZ = np.einsum("nij,nia,njb->nab", M, B, B) / den[:, None, None] + extra
+            edge_t = (e[:, 0] + e[:, -1]) / den
+            lwn = np.where(ok, np.log(np.where(ok, s0 * W, 1.0)) + sh, -np.inf)
+            add(lwn, EZ, EZZ, edge_t, fc.astype(float))
+    S0 = acc["S0"]
+    edge = max(acc["edge_t"] / S0, acc["face"] / S0)
+    return np.log(S0) + acc["shift"], (acc["EZ"] / S0).reshape(4, 2), acc["EZZ"] / S0, edge

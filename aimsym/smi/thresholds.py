@@ -237,7 +237,8 @@ class Threshold(Result):
     method: str | None = None
     # the quadrature error of alpha, folded into ``stderr`` (then sqrt(statistical^2 + quadrature^2)):
     # a fixed rule's difference to the rule with twice (explicit nodes) or half (refined default)
-    # its nodes; an error-controlled rule's bound from its per-sample estimates (alpha_c only)
+    # its nodes; an error-controlled rule's bound from its per-sample estimates (alpha_c and the
+    # parametric branch's steps; not the iterated restricted SE's)
     quadrature_error: float | None = None
     statistical_stderr: float | None = None
     nodes: int | None = None  # the fixed rule's nodes per dimension (after its refinement)
@@ -259,7 +260,8 @@ class StaircaseStep(Result):
     rho: float | None = None
     Q_branch: np.ndarray | None = None
     replicas: int | None = None
-    OPTIONAL = ("jump", "method", "direction", "rho", "Q_branch", "replicas")
+    quadrature_error: float | None = None  # folded into stderr (parametric branch, error-controlled rule)
+    OPTIONAL = ("jump", "method", "direction", "rho", "Q_branch", "replicas", "quadrature_error")
 
 
 def operator(ch: Channel, Q: np.ndarray, block, denoised=None, weights=None) -> Operator:
@@ -477,8 +479,26 @@ def branch_point(ch: Channel, k: int, P, q: float) -> dict:
     op = operator(ch, Q, P, den)
     a = q / ((1.0 - q) * e_r.mean())
     a_loo = q / ((1.0 - q) * e_loo)
+    # quadrature bounds from the per-sample estimates (error-controlled rules): |d e| then alpha ~ 1/e,
+    # and f = alpha rho - 1 moves by at most alpha |d rho| + rho |d alpha|
+    a_quad = f_quad = None
+    err = getattr(out, "error", None)
+    if err is not None and op.rho_quadrature is not None:
+        gn = np.abs(g).reshape(R * n, -1)
+        d = np.asarray(err, float).reshape(R * n) * np.maximum(1.0, gn.max(axis=1))
+        e_quad = float(np.mean(np.sum(2 * gn * d[:, None] + d[:, None] ** 2, axis=1)))
+        a_quad = float(a * e_quad / e_r.mean())
+        f_quad = float(a * op.rho_quadrature + op.rho * a_quad)
     return {"q": q, "alpha": float(a), "alpha_loo": a_loo, "op": op, "f": float(a * op.rho - 1.0),
-            "f_loo": a_loo * op.rho_loo - 1.0, "Q": Q}
+            "f_loo": a_loo * op.rho_loo - 1.0, "Q": Q, "alpha_quad": a_quad, "f_quad": f_quad}
+
+
+def _with_quadrature(th: Threshold, quad: float | None) -> Threshold:
+    """Fold a quadrature error of alpha into the threshold's stderr (kept apart in its fields)."""
+    if quad is None:
+        return th
+    return replace(th, quadrature_error=float(quad), statistical_stderr=th.stderr,
+                   stderr=float(np.hypot(th.stderr, quad)))
 
 
 def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alpha_max: float = 20.0,
@@ -512,15 +532,21 @@ def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alp
     def jump(s_a, s_b):
         """Threshold at the jump of the branch from its local maximum s_a to s_b (None: to q = 1)."""
         a, b = at(s_a), (at(s_b) if s_b is not None else None)
-        return replace(_as_threshold(b["op"] if b is not None else a["op"], 1.0),
-                       alpha=a["alpha"], stderr=jackknife_stderr(a["alpha_loo"]), jump=True, subspace=list(P),
-                       direction=np.eye(len(P)) / np.sqrt(len(P)),
-                       Q_branch=(b["Q"] if b is not None else np.diag(np.eye(model.p)[k])), q_before=a["q"],
-                       q_after=(b["q"] if b is not None else 1.0), method="parametric branch")
+        return _with_quadrature(replace(
+            _as_threshold(b["op"] if b is not None else a["op"], 1.0),
+            alpha=a["alpha"], stderr=jackknife_stderr(a["alpha_loo"]), jump=True, subspace=list(P),
+            direction=np.eye(len(P)) / np.sqrt(len(P)),
+            Q_branch=(b["Q"] if b is not None else np.diag(np.eye(model.p)[k])), q_before=a["q"],
+            q_after=(b["q"] if b is not None else 1.0), method="parametric branch"), a.get("alpha_quad"))
 
     def root(lo, hi):
-        """Continuous root of f in [lo, hi] (f(lo) < 0 <= f(hi)), jackknifed."""
-        s_root = brentq(lambda x: at(x)["f"], lo, hi, xtol=xtol)
+        """Continuous root of f in [lo, hi] (f(lo) < 0 <= f(hi)), jackknifed. brentq stops at a tenth
+        of the root's statistical error in s (f's jackknife error over the bracket's slope): each
+        evaluation is a full denoiser pass, and a finer root would only resolve replica noise."""
+        f_lo, f_hi = at(lo), at(hi)
+        slope = (f_hi["f"] - f_lo["f"]) / (hi - lo)
+        s_err = max(jackknife_stderr(f_lo["f_loo"]), jackknife_stderr(f_hi["f_loo"])) / slope
+        s_root = brentq(lambda x: at(x)["f"], lo, hi, xtol=max(xtol, 0.1 * s_err))
         r = at(s_root)
         s2 = s_root + 0.05
         r2 = at(s2)
@@ -528,8 +554,16 @@ def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alp
         slope = (r2["f_loo"] - r["f_loo"]) / (s2 - s_root)
         s_loo = s_root - r["f_loo"] / np.where(slope > 0, slope, np.inf)
         a_loo = r["alpha_loo"] + (r2["alpha_loo"] - r["alpha_loo"]) / (s2 - s_root) * (s_loo - s_root)
-        return replace(_as_threshold(r["op"], 1.0), alpha=r["alpha"], stderr=jackknife_stderr(a_loo), jump=False,
-                       Q_branch=r["Q"], q_before=r["q"], q_after=r["q"], method="parametric branch")
+        # quadrature: f off by f_quad moves the root by f_quad / f' in s, alpha by alpha' times that,
+        # plus alpha's own error there
+        quad = None
+        if r.get("f_quad") is not None:
+            f_slope = (r2["f"] - r["f"]) / (s2 - s_root)
+            a_slope = (r2["alpha"] - r["alpha"]) / (s2 - s_root)
+            quad = abs(a_slope) * r["f_quad"] / f_slope + r["alpha_quad"] if f_slope > 0 else np.inf
+        return _with_quadrature(replace(_as_threshold(r["op"], 1.0), alpha=r["alpha"], stderr=jackknife_stderr(a_loo),
+                                        jump=False, Q_branch=r["Q"], q_before=r["q"], q_after=r["q"],
+                                        method="parametric branch"), quad)
 
     # walk: amax = running maximum of alpha(q) (the branch's alpha so far); lo = last branch point
     # with f < 0; dip = s of the last record before alpha(q) fell below amax (None on the branch)
@@ -589,7 +623,7 @@ def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14
         sub = th.subspace or [i for i in range(model.p) if i not in learned]
         steps.append(StaircaseStep(subspace=sub, alpha=th.alpha, stderr=th.stderr, jump=th.jump,
                                    method=th.method or "restricted SE", direction=th.direction, rho=th.rho,
-                                   Q_branch=th.Q_branch, replicas=op_replicas))
+                                   Q_branch=th.Q_branch, replicas=op_replicas, quadrature_error=th.quadrature_error))
         learned, alpha = sorted(set(learned) | set(sub)), th.alpha
     return steps
 
