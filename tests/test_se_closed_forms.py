@@ -206,3 +206,19 @@ def test_fixed_rule_se_refines_its_default_rule_while_the_quadrature_dominates()
     d = res.diagnostics
     assert 24 < d["refined_nodes"] <= SE_MAX_NODES[2] and "refined to" in d["quadrature_note"]
     assert "refined_nodes" not in state_evolution(noisy, 1.0, samples=512, replicas=4, nodes=24).diagnostics
+
+
+def test_amplification_ignores_entries_without_one_step_spread():
+    """fixed_point_stderr: stderr = sqrt(diag((I - J)^-1 C (I - J)^-T)) per free entry; the reported
+    amplification is the largest ratio to the one-step spread over the entries that have one (an
+    unlearned layer the map keeps at exactly 0 has none and used to give ~1e130)."""
+    resp = se.Response(free=[(0, 0), (1, 1)], F0=np.zeros((2, 2)), J=np.array([[0.5, 0.4], [0.0, 0.0]]))
+    rng = np.random.default_rng(0)
+    Q_r = np.zeros((8, 2, 2))
+    Q_r[:, 1, 1] = 0.5 + 0.01 * rng.standard_normal(8)  # entry (0, 0) stays exactly 0
+    out, amp = se.fixed_point_stderr(resp, Q_r)
+    A = np.linalg.inv(np.eye(2) - resp.J)
+    step = Q_r[:, 1, 1].std(ddof=1) / np.sqrt(8)
+    assert out[1, 1] == pytest.approx(abs(A[1, 1]) * step)
+    assert out[0, 0] == pytest.approx(abs(A[0, 1]) * step)  # (coupled to the learned entry)
+    assert amp == pytest.approx(abs(A[1, 1]))

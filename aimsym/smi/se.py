@@ -648,8 +648,13 @@ def fixed_point_stderr(resp: Response, Q_r: np.ndarray):
     out = se_step.copy()
     for c, (i, j) in enumerate(resp.free):
         out[i, j] = out[j, i] = np.sqrt(var[c]) if np.isfinite(var[c]) else np.inf
-    step = np.sqrt(np.maximum(np.diag(C), 1e-300))
-    return out, float(np.max(np.sqrt(np.maximum(var, 0)) / step))
+    # the amplification over the entries whose one-step spread is resolved (an entry the map keeps
+    # at exactly 0 in every replica, an unlearned layer, has none: its ratio would be 0/0)
+    c = np.diag(C)
+    seen = c > 1e-20 * np.max(c, initial=0.0)
+    if not np.any(seen):
+        return out, 1.0
+    return out, float(np.max(np.sqrt(np.maximum(var[seen], 0)) / np.sqrt(c[seen])))
 
 
 def layer_errors(Q: np.ndarray, Q_se: np.ndarray, mask: np.ndarray) -> dict:
