@@ -161,3 +161,27 @@ def test_staircase_second_method_side_information():
         return r.Q[0, 0] > 1e-4
 
     assert not learned_at(0.96 * root) and learned_at(1.04 * root)
+
+
+def test_restricted_se_root_folds_the_operator_quadrature_bound(monkeypatch):
+    """next_threshold (learned blocks iterated by the restricted SE): rho's quadrature bound moves
+    f = alpha rho - 1 by alpha |d rho|, so the root by alpha |d rho| / f'(alpha). With rho = 1 - 0.2
+    (1 - alpha) the root is alpha = 1, f' = 1.2 there, and the bound 0.01 gives 0.01 / 1.2."""
+    from types import SimpleNamespace
+
+    def fake_se(model, alpha, **kw):
+        return SimpleNamespace(Q=np.diag([0.0, alpha / (1.0 + alpha)]))
+
+    def fake_operator(ch, Q, block, denoised=None, weights=None):
+        a = Q[1, 1] / (1.0 - Q[1, 1])
+        r = 1.0 - 0.2 * (1.0 - a)
+        return th.Operator(F=np.array([[r]]), F_stderr=np.zeros((1, 1)), rho=r, rho_stderr=0.0,
+                           rho_loo=np.full(R, r), direction=np.ones((1, 1)), block=list(block),
+                           invariant_block=[0], rho_quadrature=0.01)
+
+    monkeypatch.setattr(th, "state_evolution", fake_se)
+    monkeypatch.setattr(th, "operator", fake_operator)
+    res = th.next_threshold(Tiny(), [1], 0.5, ch_op=None, ch_se=None)
+    assert res["alpha"] == pytest.approx(1.0, abs=1e-4) and not res["jump"]
+    assert res["quadrature_error"] == pytest.approx(0.01 / 1.2, rel=0.02)
+    assert res["statistical_stderr"] == 0.0 and res["stderr"] == pytest.approx(res["quadrature_error"])

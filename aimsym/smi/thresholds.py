@@ -238,7 +238,7 @@ class Threshold(Result):
     # the quadrature error of alpha, folded into ``stderr`` (then sqrt(statistical^2 + quadrature^2)):
     # a fixed rule's difference to the rule with twice (explicit nodes) or half (refined default)
     # its nodes; an error-controlled rule's bound from its per-sample estimates (alpha_c and the
-    # parametric branch's steps; not the iterated restricted SE's)
+    # staircase steps)
     quadrature_error: float | None = None
     statistical_stderr: float | None = None
     nodes: int | None = None  # the fixed rule's nodes per dimension (after its refinement)
@@ -431,6 +431,9 @@ def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se:
     slope = (evaluate(a2)["f"] - ev["f"]) / (a2 - root)
     stderr = root * ev["op"].rho_stderr / max(slope, 1e-12)
     th = replace(_as_threshold(ev["op"], 1.0), alpha=float(root), stderr=float(stderr), Q_branch=ev["Q"], jump=False)
+    # quadrature: rho off by its bound moves f = alpha rho - 1 by alpha |d rho|, the root by that over f'
+    rq = ev["op"].rho_quadrature
+    th = _with_quadrature(th, None if rq is None else root * rq / max(slope, 1e-12))
     # The branch Q*_U(alpha) can jump to perfect recovery of U (Q*_U -> I, a first-order
     # transition of the restricted SE). Across the jump alpha * rho jumps from < 1 to > 1 (the
     # degenerate "U perfectly learned" operator of theory section 5), so the root sits at the
@@ -440,7 +443,8 @@ def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se:
     q_lo = float(np.max(np.diag(evaluate(a1)["Q"])[list(learned)]))
     q_hi = float(np.max(np.diag(evaluate(a2)["Q"])[list(learned)]))
     if q_hi > 1 - 1e-6 and q_lo < 1 - 1e-3:
-        th = replace(th, jump=True, subspace=list(P), stderr=float(a2 - a1) / 2,
+        th = replace(th, jump=True, subspace=list(P), stderr=float(a2 - a1) / 2, quadrature_error=None,
+                     statistical_stderr=None,
                      direction=np.eye(len(P)) / np.sqrt(len(P)))
     return th
 
