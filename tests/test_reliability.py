@@ -41,6 +41,7 @@ def _bad_inputs(tmp_path):
     return [
         (["se", GC, "--set", "Delta=1", "--alpha", "1", "--seed", "-5"], "--seed: must be an integer >= 0"),
         (["thresholds", GC, "--set", "Delta=1", "--seed", "-5"], "--seed: must be an integer >= 0"),
+        (["thresholds", GC, "--set", "Delta=1", "--stair-steps", "0"], "--stair-steps: must be an integer >= 1"),
         (["amp", GC, "--set", "Delta=1", "--seed", "-5"], "--seed: must be an integer >= 0"),
         (sw + ["--set", "Delta=1", "--seed", "-5"], "--seed: must be an integer >= 0"),
         (["aim", "amp", "--seeds=-5", "--d", "10"], "--seeds: seeds are integers >= 0"),

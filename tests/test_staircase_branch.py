@@ -185,3 +185,23 @@ def test_restricted_se_root_folds_the_operator_quadrature_bound(monkeypatch):
     assert res["alpha"] == pytest.approx(1.0, abs=1e-4) and not res["jump"]
     assert res["quadrature_error"] == pytest.approx(0.01 / 1.2, rel=0.02)
     assert res["statistical_stderr"] == 0.0 and res["stderr"] == pytest.approx(res["quadrature_error"])
+
+
+def test_staircase_stops_after_max_steps(monkeypatch):
+    """staircase(..., max_steps=1) returns after its first step; None continues until every index is
+    learned (here one index per step of a three-index stand-in)."""
+    from types import SimpleNamespace
+
+    def step(model, learned, alpha_start, **kw):
+        learned = [learned] if np.isscalar(learned) else list(learned)
+        nxt = min(i for i in range(3) if i not in learned)
+        return th.Threshold(alpha=alpha_start + 0.1, stderr=0.01, rho=1.0, rho_stderr=0.0, direction=np.ones((1, 1)),
+                            subspace=[nxt], F=np.ones((1, 1)), F_stderr=np.zeros((1, 1)), method="stand-in")
+
+    monkeypatch.setattr(th, "next_threshold_branch", step)
+    monkeypatch.setattr(th, "next_threshold", step)
+    monkeypatch.setattr(th, "make_channel", lambda *a, **k: None)
+    model = SimpleNamespace(p=3)
+    assert [s.subspace for s in th.staircase(model, 0.2, [2], samples=1024)] == [[0], [1]]
+    one = th.staircase(model, 0.2, [2], samples=1024, max_steps=1)
+    assert [s.subspace for s in one] == [[0]] and one[0].alpha == pytest.approx(0.3)

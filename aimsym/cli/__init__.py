@@ -60,6 +60,7 @@ _OPTION_CHECKS = {
     "samples": (int, lambda v: v >= 4, "an integer >= 4"),
     "se_samples": (int, lambda v: v >= 4, "an integer >= 4"),
     "stair_samples": (int, lambda v: v >= 4, "an integer >= 4"),
+    "stair_steps": (int, lambda v: v >= 1, "an integer >= 1"),
     "pr_samples": (int, lambda v: v >= 4, "an integer >= 4"),
     "replicas": (int, lambda v: v >= 2, "an integer >= 2 (standard errors need two replicas)"),
     "nodes": (int, lambda v: v >= 1, "an integer >= 1"),

@@ -40,6 +40,9 @@ def register(sub) -> None:
     p.add_argument("--se-samples", type=int, default=2048, dest="se_samples",
                    help="QMC points of the restricted SE along the staircase (default 2048)")
     p.add_argument("--no-staircase", action="store_true", dest="no_staircase")
+    p.add_argument("--stair-steps", type=int, default=None, dest="stair_steps",
+                   help="stop the staircase after this many steps past alpha_c (default: until every index "
+                        "is learned; a later step can take hours where the denoiser is in its ridge regime)")
     p.add_argument("--check", action="store_true", help="also locate alpha_c by SE with tiny side information")
     p.add_argument("--no-perfect-recovery", action="store_true", dest="no_perfect",
                    help="skip the perfect-recovery transition (local stability of Q = I, uninformed SE bisection)")
@@ -123,7 +126,7 @@ def cmd_thresholds(args) -> int:
     model = load_model(args)
     rep = threshold_report(model, samples=args.samples, replicas=args.replicas, nodes=args.nodes, seed=args.seed,
                            staircase=not args.no_staircase, se_samples=args.se_samples, check=args.check,
-                           perfect=not args.no_perfect, pr_samples=args.pr_samples, pr_algorithmic=not args.pr_local)
+                           stair_steps=args.stair_steps, perfect=not args.no_perfect, pr_samples=args.pr_samples, pr_algorithmic=not args.pr_local)
     if args.json:
         print_json(rep)
         return 1 if rep.failed else 0

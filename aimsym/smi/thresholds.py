@@ -615,16 +615,17 @@ STAIR_REPLICAS = 32
 
 def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14, replicas: int = 8,
               se_samples: int = 2048, nodes=None, seed=0, parametric: bool = True,
-              op_replicas: int = STAIR_REPLICAS) -> list[StaircaseStep]:
+              op_replicas: int = STAIR_REPLICAS, max_steps: int | None = None) -> list[StaircaseStep]:
     """Ordered list of the next thresholds after ``first`` is learned at alpha_c. A single learned
     index uses the parametric branch (:func:`next_threshold_branch`, operator points only) unless
     ``parametric`` is False; larger learned blocks iterate the restricted SE (``se_samples``,
-    ``replicas``). The operator points have ``op_replicas`` replicas (fewer if ``samples`` is small)."""
+    ``replicas``). The operator points have ``op_replicas`` replicas (fewer if ``samples`` is small).
+    ``max_steps``: stop after that many steps (None: until every index is learned)."""
     op_replicas = max(3, min(op_replicas, samples // 32))  # keep >= 32 points per replica
     ch_op = make_channel(model, samples=samples, replicas=op_replicas, seed=seed + 1, nodes=nodes)
     ch_se = None  # only the iterated restricted SE needs its own points
     learned, alpha, steps = list(first), alpha_c, []
-    while len(learned) < model.p:
+    while len(learned) < model.p and (max_steps is None or len(steps) < max_steps):
         if len(learned) == 1 and parametric:
             th = next_threshold_branch(model, learned[0], alpha, ch=ch_op)
         else:
@@ -706,10 +707,13 @@ class ThresholdReport(Result):
 def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=None, seed=0,
                      staircase_steps: bool = True, staircase: bool | None = None, se_samples: int = 2048,
                      check: bool = False, perfect: bool = True, pr_samples: int = 1024,
-                     pr_algorithmic: bool = True) -> ThresholdReport:
-    """alpha_c, the staircase and (``perfect``) the perfect-recovery transition
-    (:func:`aimsym.smi.perfect.perfect_recovery` on ``pr_samples`` SE points; ``pr_algorithmic=False``:
-    local stability only)."""
+                     pr_algorithmic: bool = True, stair_steps: int | None = None) -> ThresholdReport:
+    """alpha_c, the staircase (its first ``stair_steps`` steps past alpha_c; None: all) and
+    (``perfect``) the perfect-recovery transition (:func:`aimsym.smi.perfect.perfect_recovery` on
+    ``pr_samples`` SE points; ``pr_algorithmic=False``: local stability only)."""
+    if stair_steps is not None and (isinstance(stair_steps, bool) or not isinstance(stair_steps, int | np.integer)
+                                    or stair_steps < 1):
+        raise AimsymError("stair_steps", f"must be an integer >= 1 or None, got {stair_steps!r}")
     t0 = time.perf_counter()
     _check_mixing(model)
     do_stairs = staircase_steps if staircase is None else staircase
@@ -722,7 +726,7 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
     if do_stairs and len(ini.subspace) < model.p and np.isfinite(ini.alpha):
         _stage(rep, "staircase", lambda: steps.extend(_staircase(
             model, ini.alpha, ini.subspace, samples=max(samples // 4, 1024), replicas=replicas,
-            se_samples=se_samples, nodes=nodes, seed=seed)))
+            se_samples=se_samples, nodes=nodes, seed=seed, max_steps=stair_steps)))
     if check and np.isfinite(ini.alpha):
         a = ini.alpha
         _stage(rep, "check", lambda: setattr(rep, "check", threshold_by_side_information(
