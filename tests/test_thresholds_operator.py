@@ -488,3 +488,18 @@ def test_denoiser_share_bench_measures_a_part_of_the_step():
 
     step, inside = denoiser_share("attention_L2_T2", 512, steps=1)
     assert 0 < inside <= step
+
+
+def test_cli_thresholds_text_splits_the_staircase_stderr():
+    """The text output of a staircase step with an error-controlled denoiser names both parts of its
+    ± (statistical and the quadrature bound), which recombine to the printed ±."""
+    out = subprocess.run([sys.executable, "-m", "aimsym.cli", "thresholds", str(DER / "attention_L2_T2.toml"),
+                          "--set", "skip=1", "--samples", "4096", "--no-perfect-recovery"],
+                         capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("subspace [0]"))
+    import re
+
+    pm, stat, quad = (float(x) for x in re.search(r"± ([\d.]+) .*statistical ([\d.e-]+) and quadrature bound "
+                                                     r"([\d.e-]+)", line).groups())
+    assert 0 < quad < stat and pm == pytest.approx(np.hypot(stat, quad), rel=0.05)
+    assert "nodes per dimension" not in out  # (no fixed-rule wording for the error-controlled rule)

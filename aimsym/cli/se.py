@@ -126,21 +126,27 @@ def cmd_thresholds(args) -> int:
     model = load_model(args)
     rep = threshold_report(model, samples=args.samples, replicas=args.replicas, nodes=args.nodes, seed=args.seed,
                            staircase=not args.no_staircase, se_samples=args.se_samples, check=args.check,
-                           stair_steps=args.stair_steps, perfect=not args.no_perfect, pr_samples=args.pr_samples, pr_algorithmic=not args.pr_local)
+                           stair_steps=args.stair_steps, perfect=not args.no_perfect, pr_samples=args.pr_samples,
+                           pr_algorithmic=not args.pr_local)
     if args.json:
         print_json(rep)
         return 1 if rep.failed else 0
     ini = rep.initial
     print(f"model {model.name} {model.parameters}")
     print(f"alpha_c = {_pm(ini.alpha, ini.stderr)}  (rho(F) = {_pm(ini.rho, ini.rho_stderr)}), direction:")
-    if ini.quadrature_error is not None:
+    if ini.quadrature_error is not None and ini.nodes is not None:
         dom = "; the quadrature error dominates: raise --nodes" if ini.quadrature_error > ini.statistical_stderr else ""
         print(f"  (stderr = statistical {ini.statistical_stderr:.2g} and quadrature {ini.quadrature_error:.2g}: the "
               f"denoiser's fixed rule, {ini.nodes} nodes per dimension, against the rule with twice or half as many{dom})")
+    elif ini.quadrature_error is not None:
+        print(f"  {_split(ini.statistical_stderr, ini.quadrature_error)}")
     for row in ini.direction:
         print("   ", "  ".join(f"{v: .3f}" for v in row))
     for step in rep.staircase:
-        print(f"subspace {step.subspace}: alpha = {_pm(step.alpha, step.stderr)}")
+        quad = getattr(step, "quadrature_error", None)
+        stat = None if quad is None else (max(step.stderr**2 - quad**2, 0.0)) ** 0.5
+        print(f"subspace {step.subspace}: alpha = {_pm(step.alpha, step.stderr)}"
+              + ("" if quad is None else f"  {_split(stat, quad)}"))
     pr = rep.perfect_recovery
     if pr is not None:
         print(f"counting bound alpha_PR = p/m = {pr.counting_alpha}  (m = {pr.m}; {pr.note})")
@@ -153,6 +159,12 @@ def cmd_thresholds(args) -> int:
     for stage, msg in (rep.failed or {}).items():
         print(f"{stage}: failed ({msg}); the results above are complete")
     return 1 if rep.failed else 0
+
+
+def _split(stat: float, quad: float) -> str:
+    """The two parts of a folded stderr: the statistical one and the error-controlled denoiser's bound."""
+    dom = "; the quadrature bound dominates" if quad > stat else ""
+    return f"(stderr = statistical {stat:.2g} and quadrature bound {quad:.2g} from the denoiser's estimates{dom})"
 
 
 def _pm(x: float, err: float) -> str:
