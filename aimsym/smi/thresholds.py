@@ -495,7 +495,9 @@ def branch_point(ch: Channel, k: int, P, q: float) -> dict:
     err = getattr(out, "error", None)
     if err is not None and op.rho_quadrature is not None:
         gn = np.abs(g).reshape(R * n, -1)
-        d = np.asarray(err, float).reshape(R * n) * np.maximum(1.0, gn.max(axis=1))
+        # (the estimate is relative to the largest entry of the whole g_out, at least 1)
+        size = np.maximum(1.0, np.abs(out.g_out).reshape(R * n, -1).max(axis=1))
+        d = np.asarray(err, float).reshape(R * n) * size
         e_quad = float(np.mean(np.sum(2 * gn * d[:, None] + d[:, None] ** 2, axis=1)))
         a_quad = float(a * e_quad / e_r.mean())
         f_quad = float(a * op.rho_quadrature + op.rho * a_quad)
