@@ -19,7 +19,8 @@ import pytest
 import aimsym
 from aimsym import codegen, modal
 from aimsym.errors import ChannelError
-from untied_reference import denoiser_outputs, full_weight, moments_from, qhat_of, reduced, reference_gh
+from modal_reference import outputs
+from untied_reference import full_weight, moments_from, qhat_of, reduced, reference_gh
 
 ROOT = codegen.REPO_ROOT
 UNTIED = ROOT / "derivations" / "attention_L2_T2_untied.toml"
@@ -140,7 +141,8 @@ def _modal(m, omega, V, obs, **kw):
 
 
 def _reference_outputs(obs, omega, V, n_u):
-    return denoiser_outputs(*reference_gh(obs[:2], omega, V, C, n_u=n_u, n_t=100), omega, V)
+    lz, mean, second = reference_gh(obs[:2], omega, V, C, n_u=n_u, n_t=100)
+    return (lz, *outputs(V, omega, mean.reshape(4, 2), second))
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -195,18 +195,6 @@ def reference_gh(qhat, omega, V, c, *, n_u=16, n_t=160, t_range=None, chunk=200_
     return moments_from(lw[ok], np.concatenate(Zs)[ok], np.concatenate(ws)[ok], np.concatenate(Cs)[ok])
 
 
-def denoiser_outputs(lz, mean, second, omega, V):
-    """(log Z_out, g_out, dg_out) from the posterior's moments: g = V^-1 (E[Z] - omega) per token,
-    dg = V^-1 Cov V^-1 - I_T x V^-1."""
-    p, T = omega.shape
-    Vinv = np.linalg.inv(V)
-    g = Vinv @ (mean.reshape(p, T) - omega)
-    m = mean.ravel()
-    cov = (second - np.outer(m, m)).reshape(p, T, p, T)
-    dg = np.einsum("ka,atbs,bl->ktls", Vinv, cov, Vinv) - np.einsum("ts,kl->ktls", np.eye(T), Vinv)
-    return lz, g, dg
-
-
 def reduced_T(u_q, u_k, s, sg, qhat, ehat, omega, V, c):
     """Log weight of the reduced posterior at any T over (u, s), lambda = sg exp(s + s_ref), and
     E[Z | u, s] (4, T): theory section 3 written out with numpy (two untied layers)."""
