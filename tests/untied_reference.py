@@ -238,7 +238,7 @@ def _axis_rule(centre, sd, n_gl, radius=8.0, step=None, fine=(0.25, 0.5, 1.0, 1.
     return (0.5 * (a + b) + 0.5 * (b - a) * x).ravel(), (0.5 * (b - a) * w).ravel()
 
 
-def reference_fine(qhat, omega, V, c, *, n_gl=8, n_t=256, panel=1.0, radius=8.0, chunk=2000):
+def reference_fine(qhat, omega, V, c, *, n_gl=8, n_t=128, panel=2.0, radius=8.0, chunk=2000):
     """The untied two-layer T = 2 posterior (both layers beta = 1) to ~1e-9, by a route of its own:
 
     * coordinates x = z1Q (two tokens), delta1 = z1K_2 - z1K_1, kappa = key mean, lambda = the

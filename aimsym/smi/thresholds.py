@@ -327,6 +327,14 @@ THRESHOLD_NODES = {1: 120}
 THRESHOLD_MAX_NODES = {1: 256, 2: 128}
 
 
+def _with_quadrature(th: Threshold, quad: float | None) -> Threshold:
+    """Fold a quadrature error of alpha into the threshold's stderr (kept apart in its fields)."""
+    if quad is None:
+        return th
+    return replace(th, quadrature_error=float(quad), statistical_stderr=th.stderr,
+                   stderr=float(np.hypot(th.stderr, quad)))
+
+
 def _threshold_denoiser(model, ch: Channel) -> Channel:
     dim = int(model.kernels.INTEGRAL_DIM) if hasattr(model, "kernels") else 0
     if dim not in THRESHOLD_NODES:
@@ -351,22 +359,18 @@ def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes
     finer = finer_rule(model, ch.den)
     if finer is None and op.rho_quadrature is not None and op.rho > 0:
         # an error-controlled rule: the bound from its per-sample estimates
-        quad = op.rho_quadrature / op.rho**2
-        return replace(th, quadrature_error=float(quad), statistical_stderr=th.stderr,
-                       stderr=float(np.hypot(th.stderr, quad)))
+        return _with_quadrature(th, op.rho_quadrature / op.rho**2)
     while finer is not None:
         th2 = replace(_as_threshold(operator(Channel(ch.model, finer, ch.points), np.zeros((p, p)), list(range(p)),
                                              weights=weights), alpha_factor=1.0), tail_scale=float(tail_scale))
         quad = abs(th2.alpha - th.alpha)
         if nodes is not None:  # the requested rule's value, with its error against twice its nodes
-            return replace(th, quadrature_error=float(quad), statistical_stderr=th.stderr,
-                           stderr=float(np.hypot(th.stderr, quad)), nodes=int(ch.den.nodes))
+            return replace(_with_quadrature(th, quad), nodes=int(ch.den.nodes))
         # with the rule left at its default, refine while the rule's error dominates the statistical
         # one (nodes doubled each time, up to the cap); the finer rule's value is reported, with the
         # difference to half its nodes as its error (conservative where the rule converges)
         if quad <= th2.stderr or finer.nodes * 2 > THRESHOLD_MAX_NODES.get(int(model.kernels.INTEGRAL_DIM), 0):
-            return replace(th2, quadrature_error=float(quad), statistical_stderr=th2.stderr,
-                           stderr=float(np.hypot(th2.stderr, quad)), nodes=int(finer.nodes))
+            return replace(_with_quadrature(th2, quad), nodes=int(finer.nodes))
         ch, th, finer = Channel(ch.model, finer, ch.points), th2, finer_rule(model, finer)
     return th
 
@@ -505,14 +509,6 @@ def branch_point(ch: Channel, k: int, P, q: float) -> dict:
             "f_loo": a_loo * op.rho_loo - 1.0, "Q": Q, "alpha_quad": a_quad, "f_quad": f_quad}
 
 
-def _with_quadrature(th: Threshold, quad: float | None) -> Threshold:
-    """Fold a quadrature error of alpha into the threshold's stderr (kept apart in its fields)."""
-    if quad is None:
-        return th
-    return replace(th, quadrature_error=float(quad), statistical_stderr=th.stderr,
-                   stderr=float(np.hypot(th.stderr, quad)))
-
-
 def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alpha_max: float = 20.0,
                           xtol: float = 1e-4) -> Threshold:
     """Like :func:`next_threshold` for a single learned index k, from the parametric branch alpha(q):
@@ -556,8 +552,8 @@ def next_threshold_branch(model, k: int, alpha_start: float, *, ch: Channel, alp
         of the root's statistical error in s (f's jackknife error over the bracket's slope): each
         evaluation is a full denoiser pass, and a finer root would only resolve replica noise."""
         f_lo, f_hi = at(lo), at(hi)
-        slope = (f_hi["f"] - f_lo["f"]) / (hi - lo)
-        s_err = max(jackknife_stderr(f_lo["f_loo"]), jackknife_stderr(f_hi["f_loo"])) / slope
+        bracket_slope = (f_hi["f"] - f_lo["f"]) / (hi - lo)
+        s_err = max(jackknife_stderr(f_lo["f_loo"]), jackknife_stderr(f_hi["f_loo"])) / bracket_slope
         s_root = brentq(lambda x: at(x)["f"], lo, hi, xtol=max(xtol, 0.1 * s_err))
         r = at(s_root)
         s2 = s_root + 0.05
