@@ -206,6 +206,19 @@ def test_k3_and_k4_defaults_are_certified(name):
     assert m.denoiser(nodes=6).rule == "auto"
 
 
+def test_untied_se_tol_follows_the_statistical_error():
+    """Two untied layers (served by the mode-centred rule alone): the SE's denoiser tol is
+    SE_STAT_SHARE / sqrt(samples), capped at SE_MODAL_TOL, so small SE runs use a cheaper level
+    and large ones a finer one; the result's quadrature fields carry whatever it leaves."""
+    m = load("attention_L2_T2_untied")
+    small, large = se.denoiser_accuracy(m, samples=64), se.denoiser_accuracy(m, samples=1 << 16)
+    assert small["tol"] == se.SE_MODAL_TOL
+    assert large["tol"] == pytest.approx(se.SE_STAT_SHARE / 256)
+    assert small["max_regions"] == large["max_regions"] == se.SE_MODAL_REGIONS
+    den = m.denoiser(**se.denoiser_accuracy(m, samples=512))
+    assert den.rule == "modal" and den.tol == pytest.approx(se.SE_STAT_SHARE / np.sqrt(512))
+
+
 def test_untied_rule_matches_the_adaptive_cubature(monkeypatch):
     """Two untied layers at T = 2 (k = 5): the untied chamber rule against the mode-centred adaptive
     cubature (an independent rule over all five coordinates) within the two estimates."""

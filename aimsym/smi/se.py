@@ -53,10 +53,13 @@ SE_POLAR = (8, 24)
 # which moved perfect recovery below the counting bound. SE_TOL is two orders below the SE's
 # relative replica errors (>= 1e-3 at the default samples)
 SE_TOL = 1e-4
-# exact paths served by the mode-centred rule alone (channel.MODAL_ONLY): its tol and region
-# budget in SE (untied two layers, T = 2: about 1e-3 on g_out at ~1 s per sample)
-SE_MODAL_TOL = 1e-3
-SE_MODAL_REGIONS = 10_000
+# exact paths served by the mode-centred rule alone (channel.MODAL_ONLY: an untied first layer):
+# its tol follows the SE's statistical error, SE_STAT_SHARE / sqrt(samples), up to SE_MODAL_TOL
+# (its levels differ ~10x in error and ~5x in cost: at V = I two untied layers cost 1.7 s per
+# sample at 1e-3 and 0.25 s at 1e-2, docs/performance.md), and where the rule stops above tol the
+# adaptive cubature gets SE_MODAL_REGIONS (at k = 5 more regions did not lower its estimates)
+SE_MODAL_TOL = 1e-2
+SE_MODAL_REGIONS = 2_000
 MAX_CONTROLLED_DIM = 2
 # reduced dimension >= 3 with attention blocks: the certified rule (chamber rule, modal fast path,
 # adaptive cubature) at a tol set by the SE's own statistical error. A relative error eps per sample
@@ -341,6 +344,12 @@ def se_tol(samples: int | None) -> float:
     return SE_TOL_MAX if not samples else min(SE_TOL_MAX, SE_STAT_SHARE / float(np.sqrt(samples)))
 
 
+def modal_only_tol(samples: int | None) -> float:
+    """Denoiser tol in SE on the paths served by the mode-centred rule alone:
+    SE_STAT_SHARE / sqrt(samples), at most SE_MODAL_TOL."""
+    return SE_MODAL_TOL if not samples else min(SE_MODAL_TOL, SE_STAT_SHARE / float(np.sqrt(samples)))
+
+
 def denoiser_accuracy(model, nodes=None, polar=None, samples: int | None = None) -> dict:
     """Denoiser options used by SE: ``nodes`` (Gauss-Hermite per dimension) or the SE default for
     the reduced dimension; ``polar`` (angle nodes per sector, radial nodes) or SE_POLAR in 2-D
@@ -364,7 +373,7 @@ def denoiser_accuracy(model, nodes=None, polar=None, samples: int | None = None)
     if getattr(getattr(model, "kernels", None), "PATH", "") in MODAL_ONLY:
         # only the mode-centred rule carries a marginalised block: at the SE's Monte Carlo scale
         # (a few % at hundreds of points) a loose tol and a small budget suffice
-        out = {"tol": SE_MODAL_TOL, "max_regions": SE_MODAL_REGIONS}
+        out = {"tol": modal_only_tol(samples), "max_regions": SE_MODAL_REGIONS}
     elif 0 < dim <= MAX_CONTROLLED_DIM and getattr(model.kernels, "PATH", "") not in (
             "noisy", "halfspace", "hardmax-wedge", "hardmax-wedge-mixed"):
         out["tol"] = SE_TOL
