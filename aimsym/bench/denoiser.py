@@ -2,7 +2,7 @@
 
     python -m aimsym.bench.denoiser [--batch 100000] [--skip-nquad]
     python -m aimsym.bench.denoiser --modal-only [--modal-batch 1024] [--modal-check 8] [--modal-tol 1e-8]
-    python -m aimsym.bench.denoiser --budget
+    python -m aimsym.bench.denoiser --budget [--budget-model attention_L3_T2] [--budget-q 0.99] [--budget-n 16]
 
 Measures, in one run: CPU time per evaluation of (g_out, dg_out, log_z_out) single-threaded
 for the old (Legendre) and new (mapped) polar rules and Gauss-Hermite, in each SE regime, with
@@ -113,11 +113,13 @@ def _load() -> str:
 SE_LABELS = ["moderate", "V=diag(1,.05)", "V=diag(.5,.02)", "V=.02 I"]
 
 
-def bench_budget(n=16, q=0.99, budgets=((100_000, None), (2_000, None), (2_000, 6_000_000))):
-    """The SE's region budget for the certified rule (smi.se.SE_CERTIFIED_REGIONS): CPU time and
-    error estimate per sample, one thread, three layers (skip 1) at Q = diag(0, 0, q), tol 1e-3,
-    SE points omega ~ N(0, Q), Z ~ N(omega, I - Q)."""
-    m = load(ROOT / "attention_L3_T2.toml", skip=1.0)
+def bench_budget(name="attention_L3_T2", n=16, q=0.99,
+                 budgets=((100_000, None), (2_000, None), (2_000, 6_000_000), (2_000, 41_000_000))):
+    """The SE's budgets for the certified rule (smi.se.SE_CERTIFIED_REGIONS, _COMBINATIONS): CPU
+    time and error estimate per sample, one thread, a model (skip 1) at Q = diag(0, .., 0, q) (the
+    last layer nearly known: the regime of a staircase branch), tol 1e-3, SE points
+    omega ~ N(0, Q), Z ~ N(omega, I - Q)."""
+    m = load(ROOT / f"{name}.toml", skip=1.0)
     rng = np.random.default_rng(0)
     p, T = m.p, m.tokens
     Q = np.diag([0.0] * (p - 1) + [q])
@@ -125,7 +127,7 @@ def bench_budget(n=16, q=0.99, budgets=((100_000, None), (2_000, None), (2_000, 
     om = np.sqrt(Q) @ rng.standard_normal((n, p, T))
     obs = np.array([m.observation(z) for z in om + np.sqrt(V) @ rng.standard_normal((n, p, T))])
     numba.set_num_threads(1)
-    print(f"three layers T = 2 (skip 1), Q = diag(0, 0, {q}), tol 1e-3, one thread; {_load()}")
+    print(f"{name} (skip 1), Q = diag(0, .., 0, {q}), {n} SE points, tol 1e-3, one thread; {_load()}")
     for budget, combos in budgets:
         den = m.denoiser(tol=1e-3, max_regions=budget, max_combinations=combos)
         den(None, om[:1], V[None], obs=obs[:1])  # compile / load
@@ -139,11 +141,13 @@ def bench_budget(n=16, q=0.99, budgets=((100_000, None), (2_000, None), (2_000, 
             errs.append(float(out.error[0]))
         times, errs = np.array(times), np.array(errs)
         slow = times > 1.0
-        print(f"  budget {budget} regions, {den.max_combinations:.0e} node combinations: mean {1e3 * times.mean():.0f} ms per sample; "
-              f"{int(np.sum(~slow))} samples at {1e3 * times[~slow].min():.0f}-{1e3 * times[~slow].max():.0f} ms"
-              + (f", {int(slow.sum())} at {', '.join(f'{t:.1f}' for t in times[slow])} s" if slow.any() else "") + "; "
-              f"above tol: {int(np.sum(errs > 1e-3))} (estimates {', '.join(f'{e:.1e}' for e in errs[errs > 1e-3])})",
-              flush=True)
+        above = errs > 1e-3
+        print(f"  budget {budget} regions, {den.max_combinations:.1e} node combinations: mean {1e3 * times.mean():.0f} ms "
+              f"per sample; {int(np.sum(~slow))} samples at {1e3 * times[~slow].min():.0f}-{1e3 * times[~slow].max():.0f} ms"
+              + (f", {int(slow.sum())} at {times[slow].min():.1f}-{times[slow].max():.1f} s" if slow.any() else "")
+              + f"; above tol: {int(above.sum())}"
+              + (f" (estimates {errs[above].min():.1e}-{errs[above].max():.1e})" if above.any() else "")
+              + f"; mean estimate {errs.mean():.1e}", flush=True)
 
 
 def main(argv=None):
@@ -164,10 +168,13 @@ def main(argv=None):
                     default="attention_L2_T2,attention_L2_T3,attention_L3_T2,attention_L2_T2_heads2,attention_L2_T2_untied")
     ap.add_argument("--modal-reference", action="store_true", help="also time the independent cubature (1 point)")
     ap.add_argument("--budget", action="store_true",
-                    help="only the SE's region budget: three layers at Q = diag(0, 0, 0.99), tol 1e-3, per sample")
+                    help="only the SE's budgets: a model at Q = diag(0, .., 0, q), tol 1e-3, per sample")
+    ap.add_argument("--budget-model", default="attention_L3_T2", help="derivation for --budget")
+    ap.add_argument("--budget-q", type=float, default=0.99, help="the last layer's overlap for --budget")
+    ap.add_argument("--budget-n", type=int, default=16, help="SE points for --budget")
     args = ap.parse_args(argv)
     if args.budget:
-        bench_budget()
+        bench_budget(args.budget_model, args.budget_n, args.budget_q)
         return
     if args.modal or args.modal_only:
         bench_modal(args)

@@ -71,14 +71,16 @@ SE_TOL_MAX = 1e-3
 # and its budget of adaptive-cubature regions per sample: the samples the chamber rule leaves above
 # tol lie in the far tail (the observation near the edge of what the attention can reach); there
 # 100 000 regions (the denoiser's default) took 5-6 s per sample without improving on the chamber
-# rule's estimate, 2 000 take ~1.2 s with the same estimate (three layers, Q = diag(0, 0, 0.99),
-# docs/performance.md); and the chamber rule's budget of node combinations per sample: 6e6 stops two
-# blocks of T = 2 at level 4 (5.5e6), where those samples end at estimates of 0.9-1.8e-2 instead of
-# 0.6e-2 in 0.5 s instead of 1.2 s (the mean cost per sample there 184 -> 104 ms). Samples left above
-# tol are counted and their estimates folded into the standard errors (4-9 of 512 at the three-layer
-# SE points: the quadrature share of Q_hat's error stays at 0.02-0.05).
+# rule's estimate, 2 000 take ~1.2 s with the same estimate (docs/performance.md); and the chamber
+# rule's budget of node combinations per sample: every level of two blocks of T = 2 (the finest,
+# (22, 48), is 6336^2 = 4.0e7). Where one layer is nearly known (V_last = 0.02 / 0.005, Q elsewhere
+# 0, 256 SE points, tol 1e-3) the finer levels settle the far-tail samples: three layers 20 -> 1
+# and 74 -> 29 samples above tol, mean estimate 7.4e-4 -> 2.8e-4 and 5.1e-2 -> 4.3e-3; two heads
+# (0.005) 26 -> 1, 2.0e-3 -> 3.1e-4; at 1.6x, 3.1x and 1.8x the time per sample of a budget of
+# 6e6 (which stopped at level 4). Samples left above tol are counted and their estimates folded
+# into the standard errors.
 SE_CERTIFIED_REGIONS = 2_000
-SE_CERTIFIED_COMBINATIONS = 6_000_000
+SE_CERTIFIED_COMBINATIONS = 41_000_000
 # where every direction of V is below MODAL_BELOW (near perfect recovery) the SE's denoiser is the
 # mode-centred rule at SE_TOL, for every reduced dimension: the posterior there is close to its
 # Laplace mixture, which the rule's fast path integrates at ~0.3 ms per sample (k = 2, 3), while
