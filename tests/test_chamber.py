@@ -282,3 +282,20 @@ def test_combination_budget_sets_the_finest_level():
         n = chamber.nodes_per_block(int(K.T), lv) ** nb
         assert chamber.max_level(K, n) == lv and chamber.max_level(K, n - 1) == lv - 1
     assert m.denoiser(rule="modal", max_combinations=123).max_combinations == 123
+
+
+def test_budget_bench_reports_each_budget():
+    """bench.denoiser --budget (the numbers behind the SE's budgets in docs/performance.md): one
+    line per budget, with its count above tol and a finite mean estimate."""
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "aimsym.bench.denoiser", "--budget", "--budget-model",
+                          "attention_L2_T2_heads2", "--budget-q", "0.9", "--budget-n", "2", "--budget-combos",
+                          "1e5,6e6"], capture_output=True, text=True, check=True).stdout
+    lines = [ln for ln in out.splitlines() if "node combinations" in ln]
+    assert [re.search(r"regions, ([\d.e+]+) node", ln).group(1) for ln in lines] == ["1.0e+05", "6.0e+06"]
+    for ln in lines:
+        assert int(re.search(r"above tol: (\d+)", ln).group(1)) <= 2
+        assert np.isfinite(float(re.search(r"mean estimate ([\d.e+-]+)", ln).group(1)))
