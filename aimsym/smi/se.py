@@ -73,12 +73,11 @@ SE_TOL_MAX = 1e-3
 # 100 000 regions (the denoiser's default) took 5-6 s per sample without improving on the chamber
 # rule's estimate, 2 000 take ~1.2 s with the same estimate (docs/performance.md); and the chamber
 # rule's budget of node combinations per sample: every level of two blocks of T = 2 (the finest,
-# (22, 48), is 6336^2 = 4.0e7). Where one layer is nearly known (V_last = 0.02 / 0.005, Q elsewhere
-# 0, 256 SE points, tol 1e-3) the finer levels settle the far-tail samples: three layers 20 -> 1
-# and 74 -> 29 samples above tol, mean estimate 7.4e-4 -> 2.8e-4 and 5.1e-2 -> 4.3e-3; two heads
-# (0.005) 26 -> 1, 2.0e-3 -> 3.1e-4; at 1.6x, 3.1x and 1.8x the time per sample of a budget of
-# 6e6 (which stopped at level 4). Samples left above tol are counted and their estimates folded
-# into the standard errors.
+# (22, 48), is 6336^2 = 4.0e7). Where one layer is nearly known the finer levels settle the
+# far-tail samples (bench.denoiser --budget, docs/performance.md: three layers at Q_33 = 0.995,
+# 11 -> 3 of 64 above tol and mean estimate 1.9e-2 -> 1.5e-3 at 2.5x the time of a budget of 6e6,
+# which stopped at level 4). Samples left above tol are counted and their estimates folded into
+# the standard errors.
 SE_CERTIFIED_REGIONS = 2_000
 SE_CERTIFIED_COMBINATIONS = 41_000_000
 # where every direction of V is below MODAL_BELOW (near perfect recovery) the SE's denoiser is the
