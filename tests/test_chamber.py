@@ -206,6 +206,14 @@ def test_k3_and_k4_defaults_are_certified(name):
     assert m.denoiser(nodes=6).rule == "auto"
 
 
+@pytest.mark.parametrize("name", ["attention_L3_T2", "attention_L2_T2_heads2"])
+def test_se_budget_reaches_the_finest_chamber_level(name):
+    """The SE's node-combination budget admits every chamber level of two T = 2 blocks: where one
+    layer is nearly known only the finest levels settle the far-tail samples (docs/performance.md)."""
+    K = modal.load(load(name).kernels)
+    assert chamber.max_level(K, se.SE_CERTIFIED_COMBINATIONS) == len(chamber.LEVELS) - 1
+
+
 def test_untied_se_tol_follows_the_statistical_error():
     """Two untied layers (served by the mode-centred rule alone): the SE's denoiser tol is
     SE_STAT_SHARE / sqrt(samples), capped at SE_MODAL_TOL, so small SE runs use a cheaper level

@@ -56,7 +56,7 @@ SE_TOL = 1e-4
 # exact paths served by the mode-centred rule alone (channel.MODAL_ONLY: an untied first layer):
 # its tol follows the SE's statistical error, SE_STAT_SHARE / sqrt(samples), up to SE_MODAL_TOL
 # (its levels differ ~10x in error and ~5x in cost: at V = I two untied layers cost 1.7 s per
-# sample at 1e-3 and 0.25 s at 1e-2, docs/performance.md), and where the rule stops above tol the
+# sample at 1e-3 and 0.25 s at 1e-2, docs/denoiser.md), and where the rule stops above tol the
 # adaptive cubature gets SE_MODAL_REGIONS (at k = 5 more regions did not lower its estimates)
 SE_MODAL_TOL = 1e-2
 SE_MODAL_REGIONS = 2_000
@@ -372,8 +372,8 @@ def denoiser_accuracy(model, nodes=None, polar=None, samples: int | None = None)
     # (docs/tuning.md) and the SE runs the fixed rule, its error unestimated (the result's
     # diagnostics say so)
     if getattr(getattr(model, "kernels", None), "PATH", "") in MODAL_ONLY:
-        # only the mode-centred rule carries a marginalised block: at the SE's Monte Carlo scale
-        # (a few % at hundreds of points) a loose tol and a small budget suffice
+        # only the mode-centred rule carries a marginalised block: its tol follows the SE's Monte
+        # Carlo error (a few % at hundreds of points), with a small adaptive budget
         out = {"tol": modal_only_tol(samples), "max_regions": SE_MODAL_REGIONS}
     elif 0 < dim <= MAX_CONTROLLED_DIM and getattr(model.kernels, "PATH", "") not in (
             "noisy", "halfspace", "hardmax-wedge", "hardmax-wedge-mixed"):
