@@ -198,13 +198,44 @@ def evaluate(K, obs, omega, V, params, level: int, growth: np.ndarray):
     return g, dg, extra, status
 
 
+def residual_covariance(K, V) -> np.ndarray | None:
+    """V^-1 Cov_res V^-1 (1 or n, p, T, p, T) of a block marginalised analytically (theory section 3),
+    None without one: given the reduced variables its row K keeps the conditional covariance
+    sigma^2 N N^T over tokens (sigma^2 = 1 / (V^-1)_KK, N the functionals' null space), the same at
+    every point of the reduced posterior, so dg_out gets it once, outside the integral."""
+    rows = np.asarray(getattr(K, "MARGINAL_ROWS", ()))
+    if not getattr(K, "HAS_MARGINAL", False) or rows.size == 0:
+        return None
+    k = int(rows[0])
+    N = np.asarray(K.MARGINAL_NULL)
+    Vinv = np.linalg.inv(V)  # (1 or n, p, p)
+    col = Vinv[:, :, k]  # V^-1 e_K
+    return np.einsum("n,nk,ts,nl->nktls", 1.0 / Vinv[:, k, k], col, N @ N.T, col)
+
+
+def final_scale(dg: np.ndarray, res: np.ndarray | None) -> np.ndarray:
+    """Per sample, max(1, |dg|) / max(1, |dg + res|) (>= 1 taken): an estimate relative to the size of
+    dg_out before the residual covariance, restated (as a bound: the estimate may have come from
+    g_out or log Z_out) relative to the dg_out returned. Along a nearly known marginalised row most
+    of dg_out cancels against the residual term (-1/V_KK against +1/V_KK), so the returned dg_out
+    is smaller and the same absolute error larger relative to it."""
+    if res is None:
+        return np.ones(dg.shape[0])
+    n = dg.shape[0]
+    before = np.maximum(1.0, np.abs(dg).reshape(n, -1).max(axis=1))
+    after = np.maximum(1.0, np.abs(dg + res).reshape(n, -1).max(axis=1))
+    return np.maximum(1.0, before / after)
+
+
 def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_level: int | None = None,
         idx: np.ndarray | None = None):
     """Levels of the chamber rule (or, for an untied first layer, the untied rule) until the
     estimate meets tol, for the samples idx (default all).
 
     Returns (done, g_out, dg_out, log Z_out, estimate, evaluations, status) for idx; ``done``
-    marks the samples whose estimate is <= tol (the others keep the finest level reached)."""
+    marks the samples whose estimate is <= tol (the others keep the finest level reached). dg_out
+    is without a marginalised block's residual covariance (``residual_covariance``, added by the
+    caller), the estimate relative to dg_out with it."""
     untied = untied_applies(K)
     levels = UNTIED_LEVELS if untied else LEVELS
     run_level = untied_evaluate if untied else evaluate
@@ -223,6 +254,8 @@ def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_l
     growth = np.ones(m)
     active = np.arange(m)
     prev = None
+    res_all = residual_covariance(K, V)  # (differences relative to the dg_out finally returned)
+    res = (lambda act: None if res_all is None else res_all if res_all.shape[0] == 1 else res_all[idx[act]])
     for level in range(max(start - 1, 0), top + 1):
         if active.size == 0:
             break
@@ -245,7 +278,9 @@ def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_l
         status[active] = st
         g[active], dg[active], lz[active] = gl, dgl, ex[:, 0]
         if prev is not None:
-            d = difference(gl, dgl, prev[0], prev[1], ex[:, 0], prev[2])
+            r = res(active)
+            r = 0.0 if r is None else r
+            d = difference(gl, dgl + r, prev[0], prev[1] + r, ex[:, 0], prev[2])
             d = np.where(np.isfinite(d), d, np.inf)
             e = np.maximum(d, ex[:, 3])
             est[active] = e

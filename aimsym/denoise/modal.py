@@ -240,6 +240,9 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
             ex2, st2 = np.empty((left.size, 4)), np.zeros(left.size, np.int64)
             K.modal_adaptive(ob[left], om[left], sub2(Vr), params, nc[left], cb[left], cm[left], cL[left], cla[left],
                              gp, w7, w5, float(tol), int(max_regions), g2, dg2, ex2, st2)
+            # (estimates relative to the dg_out finally returned, as the chamber rule's)
+            res = chamber.residual_covariance(K, sub2(Vr))
+            ex2[:, 2] *= chamber.final_scale(dg2, res)
             # keep the chamber rule's result where its estimate is the smaller
             idx = rest[left]
             better = (st2 == 0) & ~(extra[idx, 2] <= ex2[:, 2])
@@ -277,7 +280,8 @@ def _fast_path(K, obs, omega, V, params, nc, cb, cm, cL, cla, tol, g, dg, extra,
             gg, dd = np.empty((active.size, p, T)), np.empty((active.size, p, T, p, T))
             ex, st = np.zeros((active.size, 4)), np.zeros(active.size, np.int64)
             K.modal_finish(omega, V, active, tot, np.abs(tot - prev), fshift, gg, dd, ex, st)
-            d = ex[:, 2] / K.MODAL_SAFETY
+            res = chamber.residual_covariance(K, V if V.shape[0] == 1 else V[active])
+            d = ex[:, 2] / K.MODAL_SAFETY * chamber.final_scale(dd, res)
             # not decreasing (both changes at rounding level, or not yet converging): the sum
             est = np.maximum(np.where(d < prev_d, d, d + prev_d), FAST_ROUNDING)
             fine = (st == 0) & np.isfinite(gg).all(axis=(1, 2)) & np.isfinite(dd).all(axis=(1, 2, 3, 4))
@@ -295,17 +299,7 @@ def _fast_path(K, obs, omega, V, params, nc, cb, cm, cL, cla, tol, g, dg, extra,
 
 
 def add_residual_covariance(K, V, dg):
-    """dg_out += V^-1 Cov_res V^-1 for a block marginalised analytically (theory section 3): given
-    the reduced variables its row K keeps the conditional covariance sigma^2 N N^T over tokens
-    (sigma^2 = 1 / (V^-1)_KK, N the functionals' null space), the same at every point of the
-    reduced posterior, so it adds to Cov(Z | y) once, outside the integral."""
-    rows = np.asarray(K.MARGINAL_ROWS)
-    if rows.size == 0:
-        return
-    k = int(rows[0])
-    N = np.asarray(K.MARGINAL_NULL)
-    Pn = N @ N.T  # (T, T)
-    Vinv = np.linalg.inv(V)  # (1 or n, p, p)
-    s2 = 1.0 / Vinv[:, k, k]
-    col = Vinv[:, :, k]  # V^-1 e_K
-    dg += np.einsum("n,nk,ts,nl->nktls", s2, col, Pn, col)
+    """dg_out += ``chamber.residual_covariance`` (a block marginalised analytically)."""
+    res = chamber.residual_covariance(K, V)
+    if res is not None:
+        dg += res
