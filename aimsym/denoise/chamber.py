@@ -213,6 +213,11 @@ def residual_covariance(K, V) -> np.ndarray | None:
     return np.einsum("n,nk,ts,nl->nktls", 1.0 / Vinv[:, k, k], col, N @ N.T, col)
 
 
+def residual_rows(res: np.ndarray | None, sel) -> np.ndarray | None:
+    """The samples sel of ``residual_covariance`` (shared: leading size 1)."""
+    return res if res is None or res.shape[0] == 1 else res[sel]
+
+
 def final_scale(dg: np.ndarray, res: np.ndarray | None) -> np.ndarray:
     """Per sample, max(1, |dg|) / max(1, |dg + res|) (>= 1 taken): an estimate relative to the size of
     dg_out before the residual covariance, restated (as a bound: the estimate may have come from
@@ -254,8 +259,7 @@ def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_l
     growth = np.ones(m)
     active = np.arange(m)
     prev = None
-    res_all = residual_covariance(K, V)  # (differences relative to the dg_out finally returned)
-    res = (lambda act: None if res_all is None else res_all if res_all.shape[0] == 1 else res_all[idx[act]])
+    res = residual_covariance(K, V)  # (differences relative to the dg_out finally returned)
     for level in range(max(start - 1, 0), top + 1):
         if active.size == 0:
             break
@@ -278,7 +282,7 @@ def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_l
         status[active] = st
         g[active], dg[active], lz[active] = gl, dgl, ex[:, 0]
         if prev is not None:
-            r = res(active)
+            r = residual_rows(res, idx[active])
             r = 0.0 if r is None else r
             d = difference(gl, dgl + r, prev[0], prev[1] + r, ex[:, 0], prev[2])
             d = np.where(np.isfinite(d), d, np.inf)

@@ -268,6 +268,7 @@ def _fast_path(K, obs, omega, V, params, nc, cb, cm, cL, cla, tol, g, dg, extra,
     active = np.flatnonzero((nc > 0) & (status == 0))
     prev = prev_d = None
     evals = np.zeros(n)
+    res = chamber.residual_covariance(K, V)  # (estimates relative to the dg_out finally returned)
     for nodes, w in fast_rules(D):
         if active.size == 0:
             break
@@ -280,8 +281,7 @@ def _fast_path(K, obs, omega, V, params, nc, cb, cm, cL, cla, tol, g, dg, extra,
             gg, dd = np.empty((active.size, p, T)), np.empty((active.size, p, T, p, T))
             ex, st = np.zeros((active.size, 4)), np.zeros(active.size, np.int64)
             K.modal_finish(omega, V, active, tot, np.abs(tot - prev), fshift, gg, dd, ex, st)
-            res = chamber.residual_covariance(K, V if V.shape[0] == 1 else V[active])
-            d = ex[:, 2] / K.MODAL_SAFETY * chamber.final_scale(dd, res)
+            d = ex[:, 2] / K.MODAL_SAFETY * chamber.final_scale(dd, chamber.residual_rows(res, active))
             # not decreasing (both changes at rounding level, or not yet converging): the sum
             est = np.maximum(np.where(d < prev_d, d, d + prev_d), FAST_ROUNDING)
             fine = (st == 0) & np.isfinite(gg).all(axis=(1, 2)) & np.isfinite(dd).all(axis=(1, 2, 3, 4))
