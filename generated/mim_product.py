@@ -2,7 +2,7 @@
 
 model: mim_product
 spec hash: 256c784af7e77580
-generator: 0.1.0+6e16f8badc
+generator: 0.1.0+abc6f1e735
 denoiser path: exact (solved y = g(Z) for z_1_0 (1 branch))
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '256c784af7e77580'
-GENERATOR_VERSION = '0.1.0+6e16f8badc'
+GENERATOR_VERSION = '0.1.0+abc6f1e735'
 NAME = 'mim_product'
 P = 2
 T = 1

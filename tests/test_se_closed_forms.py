@@ -222,3 +222,25 @@ def test_amplification_ignores_entries_without_one_step_spread():
     assert out[1, 1] == pytest.approx(abs(A[1, 1]) * step)
     assert out[0, 0] == pytest.approx(abs(A[0, 1]) * step)  # (coupled to the learned entry)
     assert amp == pytest.approx(abs(A[1, 1]))
+
+
+def test_nishimori_z_counts_only_what_the_quadrature_bound_cannot_explain():
+    """An entry that vanishes by symmetry has a replica error far below the denoiser's tol: its
+    residual within the quadrature bound is not a violation; beyond it, it is."""
+    from aimsym.smi.se import nishimori_quadrature, nishimori_residual
+
+    rng = np.random.default_rng(0)
+    R, n, p, T = 8, 64, 2, 2
+    g = rng.standard_normal((R, n, p, T))
+    g[:, :, 0] = 0.0  # an unlearned layer
+    gg_r = np.einsum("rnkt,rnlt->rkl", g, g) / n
+    dg_r = -gg_r.copy() + 1e-9 * rng.standard_normal((R, p, p))  # Nishimori up to replica noise
+    dg_r[:, 0, 0] += 1e-5  # a quadrature-sized offset on the vanishing entry
+    err = np.full((R, n), 1e-3)
+    dg = np.zeros((R, n, p, T, p, T))
+    quad = nishimori_quadrature(g, dg, err)
+    assert quad[0, 0] >= 1e-5
+    plain, bounded = nishimori_residual(gg_r, dg_r), nishimori_residual(gg_r, dg_r, quad)
+    assert plain["nishimori_z"] > 100 and bounded["nishimori_z"] == 0.0
+    dg_r[:, 0, 0] += 1.0  # a real violation is still seen
+    assert nishimori_residual(gg_r, dg_r, quad)["nishimori_z"] > 100

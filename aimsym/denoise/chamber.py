@@ -259,6 +259,7 @@ def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_l
     growth = np.ones(m)
     active = np.arange(m)
     prev = None
+    last_d = np.full(m, np.inf)  # each sample's previous level difference
     res = residual_covariance(K, V)  # (differences relative to the dg_out finally returned)
     for level in range(max(start - 1, 0), top + 1):
         if active.size == 0:
@@ -286,6 +287,12 @@ def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_l
             r = 0.0 if r is None else r
             d = difference(gl, dgl + r, prev[0], prev[1] + r, ex[:, 0], prev[2])
             d = np.where(np.isfinite(d), d, np.inf)
+            # a difference that did not shrink from the level before: the rule is not yet in its
+            # asymptotic regime (levels can then come close by chance), so the two together
+            prior = last_d[active]
+            grew = np.isfinite(prior) & (d >= prior)
+            last_d[active] = d
+            d = np.where(grew, d + prior, d)
             e = np.maximum(d, ex[:, 3])
             est[active] = e
             ok = (st == 0) & (e <= tol) & np.isfinite(gl).all(axis=(1, 2)) & np.isfinite(dgl).all(axis=(1, 2, 3, 4))

@@ -225,9 +225,11 @@ class Denoiser:
                      "hardmax-wedge-mixed": "exact"}.get(self.kernels.PATH, "exact")
         if self.kernels.PATH in MODAL_ONLY:  # (the tensor rules do not carry a marginalised block)
             rule = self.rule = "modal"
-        # reduced dimension >= 3 with attention blocks: the default is the certified rule (the chamber
-        # rule within ``aimsym.denoise.modal``); tensor Gauss-Hermite stalls at ~1e-3 there
-        if (rule == "auto" and defaults and self.dim >= 3
+        # reduced dimension >= 3 with attention blocks, or 2 without the polar rule (a linear or
+        # hardmax first layer): the default is the certified rule (the chamber rule within
+        # ``aimsym.denoise.modal``); tensor Gauss-Hermite stalls at ~1e-3 there, and across a
+        # hardmax layer's switching lines it does not converge
+        if (rule == "auto" and defaults and (self.dim >= 3 or not len(self.kernels.POLAR_ANGLES))
                 and len(getattr(self.kernels, "CHAMBER_BLOCKS", ())) > 0):
             rule = self.rule = "modal"
         if rule == "modal" and not (self.path == "exact" and self.kernels.PATH in ("attention-rank1", "solve",

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from . import chamber
+from .output import difference
 
 TEMPLATE = Path(__file__).with_name("modal_template.py")
 # the chamber rule's driver (aimsym.denoise.chamber), appended with this one
@@ -181,6 +182,7 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
     done = np.zeros(n, bool)
     use_chamber = chamber.applies(K)
     tried = np.zeros(n, bool)
+    others = []  # every stage's result (idx, g, dg, log Z, estimate): cross-checked at the end
 
     def chamber_stage(idx):
         if not use_chamber or idx.size == 0:
@@ -188,6 +190,7 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
         ok, cg, cdg, clz, cest, cev, cst = chamber.run(K, obs, omega, V, params, tol=tol, idx=idx,
                                                        max_level=chamber.max_level(K, max_combinations))
         tried[idx] = True
+        others.append((idx[cst == 0], cg[cst == 0], cdg[cst == 0], clz[cst == 0], cest[cst == 0]))
         better = (cst == 0) & (cest < extra[idx, 2])
         sel = idx[better]
         g[sel], dg[sel] = cg[better], cdg[better]
@@ -219,6 +222,8 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
         fast = np.zeros(m, bool)
         if FAST:
             fast = _fast_path(K, ob, om, Vr, params, nc, cb, cm, cL, cla, tol, gf, dgf, exf, st)
+        tested = np.isfinite(exf[:, 2])
+        others.append((rest[tested], gf[tested], dgf[tested], exf[tested, 0], exf[tested, 2]))
         sel = rest[fast]
         g[sel], dg[sel], extra[sel] = gf[fast], dgf[fast], exf[fast]
         done[sel] = True
@@ -245,13 +250,45 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
             ex2[:, 2] *= chamber.final_scale(dg2, res)
             # keep the chamber rule's result where its estimate is the smaller
             idx = rest[left]
+            others.append((idx[st2 == 0], g2[st2 == 0], dg2[st2 == 0], ex2[st2 == 0, 0], ex2[st2 == 0, 2]))
             better = (st2 == 0) & ~(extra[idx, 2] <= ex2[:, 2])
             ex2[:, 1] += extra[idx, 1]
             g[idx[better]], dg[idx[better]], extra[idx[better]] = g2[better], dg2[better], ex2[better]
             status[idx[(st2 != 0) & ~np.isfinite(extra[idx, 2])]] = st2[(st2 != 0) & ~np.isfinite(extra[idx, 2])]
+    extra[:, 2] = cross_checked(g, dg, extra[:, 0], extra[:, 2], others)
     if getattr(K, "HAS_MARGINAL", False):
         add_residual_covariance(K, V, dg)
     return g, dg, extra[:, 0], extra[:, 2], extra[:, 1], extra[:, 3] > 0, status
+
+
+def cross_checked(g, dg, lz, est, others) -> np.ndarray:
+    """The estimates of the results kept, raised where another stage's result disagrees with one
+    beyond both estimates: one of the two claims is then false, and the other's claim, if it holds,
+    bounds the kept result's error by their difference plus the other's estimate. (A stage that found
+    only some of the posterior's modes can report a small estimate for a wrong integral: its rule
+    converges on what it found; another stage's different answer is the evidence.) Per quantity
+    (g_out, dg_out: estimates relative to each result's own size, at least 1; log Z_out: absolute)
+    the two claims together allow |a - b| <= est s_a + est_b s_b."""
+    est = est.copy()
+    for idx, go, dgo, lzo, eo in others:
+        if idx.size == 0:
+            continue
+        n = idx.size
+        real = np.isfinite(eo) & np.isfinite(lzo) & np.isfinite(go.reshape(n, -1)).all(axis=1) \
+            & np.isfinite(dgo.reshape(n, -1)).all(axis=1)
+        e = est[idx]
+        raised = np.zeros(n)
+        for a, b, absolute in ((g[idx].reshape(n, -1), go.reshape(n, -1), False),
+                               (dg[idx].reshape(n, -1), dgo.reshape(n, -1), False),
+                               (lz[idx][:, None], lzo[:, None], True)):
+            unit = absolute
+            sa = np.ones(n) if unit else np.maximum(1.0, np.abs(a).max(axis=1))
+            sb = np.ones(n) if unit else np.maximum(1.0, np.abs(b).max(axis=1))
+            gap = np.abs(a - b).max(axis=1)
+            clash = real & ~(gap <= e * sa + eo * sb)
+            raised = np.where(clash, np.maximum(raised, (gap + eo * sb) / sa), raised)
+        est[idx] = np.maximum(e, raised)
+    return est
 
 
 def _fast_path(K, obs, omega, V, params, nc, cb, cm, cL, cla, tol, g, dg, extra, status):

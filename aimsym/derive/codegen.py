@@ -485,8 +485,8 @@ def _mixing_kernel(d: Derivation) -> list[str]:
 
 def chamber_blocks(spec: Spec, d: Derivation) -> list[tuple[int, int, int]]:
     """The free rows of Z as attention blocks for the chamber rule: (row, layer, head) per row,
-    where every free row is the tied rank-one index of one head of an earlier layer (softmax or
-    linear) and the last layer is solved (reduction kind attention-rank1). Such a head's
+    where every free row is the tied rank-one index of one head of an earlier layer (softmax,
+    hardmax or linear) and the last layer is solved (reduction kind attention-rank1). Such a head's
     attention sigma(beta q q^T), q = M_{l-1} z_row^T, switches across the hyperplanes q_a = 0 and
     q_a = q_b only (the chambers of the braid arrangement of (q, 0)); [] for other models."""
     from .spec import AttentionSpec
@@ -495,7 +495,8 @@ def chamber_blocks(spec: Spec, d: Derivation) -> list[tuple[int, int, int]]:
     if not (isinstance(spec, AttentionSpec) and red is not None and red.kind == "attention-rank1"
             and len(spec.layers) >= 2 and not spec.shared_flow):
         return []
-    if any(not ly.tied or ly.rank != 1 or ly.activation not in ("softmax", "linear") for ly in spec.layers[:-1]):
+    if any(not ly.tied or ly.rank != 1 or ly.activation not in ("softmax", "hardmax", "linear")
+           for ly in spec.layers[:-1]):
         return []
     blocks = [(k, lb.layer, lb.head) for k, lb in enumerate(d.labels[:-1])]
     if red.free != [(k, t) for k, _, _ in blocks for t in range(d.tokens)]:
@@ -566,13 +567,17 @@ def _chamber_kernels(spec: Spec, d: Derivation) -> list[str]:
         layer = spec.layers[l - 1]
         beta, a = param_symbol(layer.beta), param_symbol(layer.head_weights()[h])
         prog = Program()
-        prog.matrix(f"S{i}", activate(layer.activation, prog.matrix(f"A{i}", beta * (q * q.T))))
-        names = [sp.Symbol(f"_S{i}_{r}_{c}", real=True) for r in range(T) for c in range(T)]
+        # (the entries as the program returns them: a trivial entry, e.g. q_0 q_1 of a linear
+        # block, is kept as its expression and gets no name of its own)
+        S = prog.matrix(f"S{i}", activate(layer.activation, prog.matrix(f"A{i}", beta * (q * q.T))))
+        entries = [S[r, c] for r in range(T) for c in range(T)]
         kw = "if" if i == 0 else "elif"
         act.append(f"    {kw} b == {i}:")
-        act += _print_defs(prog.closure(names), "        ")
-        act += [f"        S[{r}, {c}] = {_code(a * names[r * T + c])}" for r in range(T) for c in range(T)]
-        if layer.activation == "softmax":
+        act += _print_defs(prog.closure(entries), "        ")
+        act += [f"        S[{r}, {c}] = {_code(a * entries[r * T + c])}" for r in range(T) for c in range(T)]
+        if layer.activation in ("softmax", "hardmax"):
+            # (a hardmax block is constant inside each chamber: the grading towards the walls at
+            # the softmax's width is then only a smooth change of variables)
             beta_k += [f"    {kw} b == {i}:", f"        return abs(float({_code(beta)}))"]
             bound_k += [f"    {kw} b == {i}:", f"        return abs(float({_code(a)})) * {float(T) ** 0.5!r}"]
         else:
@@ -590,7 +595,7 @@ def _chamber_kernels(spec: Spec, d: Derivation) -> list[str]:
 
 def _polar_angles(spec: Spec, d: Derivation) -> list[float]:
     """Sector boundaries of the polar rule, where it applies: two layers, T = 2, the free
-    indices u = z_1 of a tied rank-one single-head first layer, whose attention (logits
+    indices u = z_1 of a tied rank-one single-head softmax first layer, whose attention (logits
     beta u_a u_b) switches across the lines u_1 = 0, u_2 = 0 and u_1 = u_2."""
     import math
 
@@ -601,7 +606,10 @@ def _polar_angles(spec: Spec, d: Derivation) -> list[float]:
             and len(spec.layers) == 2 and spec.tokens == 2 and not spec.shared_flow):
         return []
     first = spec.layers[0]
-    if not (first.tied and first.rank == 1 and first.heads == 1) or red.free != [(0, 0), (0, 1)]:
+    # (a linear or hardmax first layer has no row softmax for the rule's SIMD kernel; the modal
+    # cascade with the chamber rule integrates it)
+    if not (first.tied and first.rank == 1 and first.heads == 1 and first.activation == "softmax") \
+            or red.free != [(0, 0), (0, 1)]:
         return []
     return [0.0, math.pi / 4, math.pi / 2, math.pi, 5 * math.pi / 4, 3 * math.pi / 2, 2 * math.pi]
 
