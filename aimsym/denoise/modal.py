@@ -255,26 +255,28 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
             ex2[:, 1] += extra[idx, 1]
             g[idx[better]], dg[idx[better]], extra[idx[better]] = g2[better], dg2[better], ex2[better]
             status[idx[(st2 != 0) & ~np.isfinite(extra[idx, 2])]] = st2[(st2 != 0) & ~np.isfinite(extra[idx, 2])]
-    extra[:, 2] = cross_checked(g, dg, extra[:, 0], extra[:, 2], others)
+    extra[:, 2] = cross_checked(g, dg, extra[:, 0], extra[:, 2], others, tol)
     if getattr(K, "HAS_MARGINAL", False):
         add_residual_covariance(K, V, dg)
     return g, dg, extra[:, 0], extra[:, 2], extra[:, 1], extra[:, 3] > 0, status
 
 
-def cross_checked(g, dg, lz, est, others) -> np.ndarray:
-    """The estimates of the results kept, raised where another stage's result disagrees with one
-    beyond both estimates: one of the two claims is then false, and the other's claim, if it holds,
-    bounds the kept result's error by their difference plus the other's estimate. (A stage that found
-    only some of the posterior's modes can report a small estimate for a wrong integral: its rule
-    converges on what it found; another stage's different answer is the evidence.) Per quantity
-    (g_out, dg_out: estimates relative to each result's own size, at least 1; log Z_out: absolute)
-    the two claims together allow |a - b| <= est s_a + est_b s_b."""
+def cross_checked(g, dg, lz, est, others, tol: float) -> np.ndarray:
+    """The estimates of the results kept, raised where another stage's converged result (its
+    estimate within tol) disagrees with one beyond both estimates: one of the two claims is then
+    false, and the other's claim, if it holds, bounds the kept result's error by their difference
+    plus the other's estimate. (A stage that found only some of the posterior's modes can report a
+    small estimate for a wrong integral: its rule converges on what it found; another stage's
+    converged different answer is the evidence. A stage that stopped above tol has said it did not
+    converge; its last change is no evidence.) Per quantity (g_out, dg_out: estimates relative to
+    each result's own size, at least 1; log Z_out: absolute) the two claims together allow
+    |a - b| <= est s_a + est_b s_b."""
     est = est.copy()
     for idx, go, dgo, lzo, eo in others:
         if idx.size == 0:
             continue
         n = idx.size
-        real = np.isfinite(eo) & np.isfinite(lzo) & np.isfinite(go.reshape(n, -1)).all(axis=1) \
+        real = (eo <= tol) & np.isfinite(lzo) & np.isfinite(go.reshape(n, -1)).all(axis=1) \
             & np.isfinite(dgo.reshape(n, -1)).all(axis=1)
         e = est[idx]
         raised = np.zeros(n)
