@@ -97,6 +97,15 @@ def untied_applies(K) -> bool:
     return len(getattr(K, "UNTIED_FIRST", ())) > 0
 
 
+def certified_default(K) -> bool:
+    """Whether a model's default denoiser (and the SE's) is the certified cascade with this rule:
+    attention blocks at reduced dimension >= 3, or at 2 without the polar rule (a linear or hardmax
+    first layer). Tensor Gauss-Hermite stalls at ~1e-3 there, and across a hardmax layer's
+    switching lines it does not converge."""
+    return len(getattr(K, "CHAMBER_BLOCKS", ())) > 0 and (
+        int(K.INTEGRAL_DIM) >= 3 or not len(getattr(K, "POLAR_ANGLES", ())))
+
+
 def broad(K, omega, V, params) -> np.ndarray:
     if untied_applies(K):  # (no cheaper rule for the untied model: its modal fast path stalls)
         return np.ones(omega.shape[0], bool)

@@ -205,7 +205,7 @@ class Denoiser:
         if rule not in ("auto", "modal"):
             raise ChannelError("rule", f"must be 'auto' or 'modal'; got {rule!r}")
         self.rule = rule
-        from .chamber import MAX_COMBINATIONS
+        from .chamber import MAX_COMBINATIONS, certified_default
         from .modal import MAX_REGIONS
         # budgets per sample: adaptive-cubature regions, and the chamber rule's node combinations per
         # level (its finest level within the budget)
@@ -225,12 +225,9 @@ class Denoiser:
                      "hardmax-wedge-mixed": "exact"}.get(self.kernels.PATH, "exact")
         if self.kernels.PATH in MODAL_ONLY:  # (the tensor rules do not carry a marginalised block)
             rule = self.rule = "modal"
-        # reduced dimension >= 3 with attention blocks, or 2 without the polar rule (a linear or
-        # hardmax first layer): the default is the certified rule (the chamber rule within
-        # ``aimsym.denoise.modal``); tensor Gauss-Hermite stalls at ~1e-3 there, and across a
-        # hardmax layer's switching lines it does not converge
-        if (rule == "auto" and defaults and (self.dim >= 3 or not len(self.kernels.POLAR_ANGLES))
-                and len(getattr(self.kernels, "CHAMBER_BLOCKS", ())) > 0):
+        # the certified rule (the chamber rule within ``aimsym.denoise.modal``) by default where
+        # the model has attention blocks and no polar rule serves it
+        if rule == "auto" and defaults and certified_default(self.kernels):
             rule = self.rule = "modal"
         if rule == "modal" and not (self.path == "exact" and self.kernels.PATH in ("attention-rank1", "solve",
                                                                                    *MODAL_ONLY) and self.dim > 0):

@@ -283,9 +283,8 @@ def cross_checked(g, dg, lz, est, others, tol: float) -> np.ndarray:
         for a, b, absolute in ((g[idx].reshape(n, -1), go.reshape(n, -1), False),
                                (dg[idx].reshape(n, -1), dgo.reshape(n, -1), False),
                                (lz[idx][:, None], lzo[:, None], True)):
-            unit = absolute
-            sa = np.ones(n) if unit else np.maximum(1.0, np.abs(a).max(axis=1))
-            sb = np.ones(n) if unit else np.maximum(1.0, np.abs(b).max(axis=1))
+            sa = np.ones(n) if absolute else np.maximum(1.0, np.abs(a).max(axis=1))
+            sb = np.ones(n) if absolute else np.maximum(1.0, np.abs(b).max(axis=1))
             gap = np.abs(a - b).max(axis=1)
             clash = real & ~(gap <= e * sa + eo * sb)
             raised = np.where(clash, np.maximum(raised, (gap + eo * sb) / sa), raised)

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from scipy.stats import norm, qmc
 
+from ..denoise.chamber import certified_default
 from ..denoise.channel import MODAL_ONLY
 from ..errors import AimsymError, ConvergenceWarning
 from ..provenance import provenance
@@ -358,10 +359,7 @@ def denoiser_accuracy(model, nodes=None, polar=None, samples: int | None = None)
     blocks (k = 2 without the polar rule) and no explicit ``nodes``, the certified rule at
     ``se_tol(samples)``."""
     dim = int(model.kernels.INTEGRAL_DIM) if hasattr(model, "kernels") else 0
-    k = getattr(model, "kernels", None)
-    # (k = 2 without the polar rule, i.e. a linear or hardmax first layer, as the denoiser's default)
-    chamber_first = dim >= 3 or (dim == 2 and not len(getattr(k, "POLAR_ANGLES", ())))
-    if nodes is None and chamber_first and len(getattr(k, "CHAMBER_BLOCKS", ())) > 0:
+    if nodes is None and hasattr(model, "kernels") and certified_default(model.kernels):
         return {"rule": "modal", "tol": se_tol(samples), "max_regions": SE_CERTIFIED_REGIONS,
                 "max_combinations": SE_CERTIFIED_COMBINATIONS}
     out = {}
