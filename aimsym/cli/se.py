@@ -108,7 +108,8 @@ def cmd_se(args) -> int:
         ("perfect recovery" if pr else f"{e:.4g} ± {s:.2g}")
         for e, s, pr in zip(res.errors["layers"], res.errors["layers_stderr"], res.errors["perfect_recovery"])))
     dg = res.diagnostics
-    print(f"Nishimori residual {dg['nishimori_z']:.1f} stderr (relative {dg['nishimori_relative']:.1e}); "
+    beyond = " beyond its quadrature bound" if "nishimori_quadrature_bound" in dg else ""
+    print(f"Nishimori residual {dg['nishimori_z']:.1f} stderr{beyond} (relative {dg['nishimori_relative']:.1e}); "
           f"quadrature: {dg['quadrature_note']}")
     if "prediction" in res.errors:
         pe = res.errors["prediction"]
