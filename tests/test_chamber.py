@@ -330,3 +330,28 @@ def test_untied_estimate_is_relative_to_the_returned_dg_out():
     K = modal.load(m.denoiser().kernels)
     res = chamber.residual_covariance(K, V)
     assert res is not None and chamber.final_scale(top.dg_out - res, res)[0] > 10  # the cancellation
+
+
+def test_a_level_difference_that_did_not_shrink_is_not_taken_alone(monkeypatch):
+    """Levels whose differences grow are not yet converging: a sample the finest level leaves above
+    tol reports the sum of the last two differences where the last did not shrink (it can come
+    close to the level before by chance), the last difference alone where it shrank."""
+    from types import SimpleNamespace
+
+    def run_with(lz_of_level):
+        def fake_evaluate(K, obs, omega, V, params, level, growth):
+            n = omega.shape[0]
+            extra = np.zeros((n, 4))
+            extra[:, 0] = lz_of_level[level]
+            return np.zeros((n, 1, 2)), np.zeros((n, 1, 2, 1, 2)), extra, np.zeros(n, np.int64)
+
+        monkeypatch.setattr(chamber, "evaluate", fake_evaluate)
+        om, V, obs = np.zeros((1, 1, 2)), np.eye(1)[None], np.zeros((1, 2))
+        ok, _, _, lz, est, _, _ = chamber.run(SimpleNamespace(), obs, om, V, np.zeros(0), tol=1e-9, start=1,
+                                              max_level=3)
+        assert not ok[0] and lz[0] == lz_of_level[3]
+        return est[0]
+
+    # differences 1e-3, 1e-4, 2e-4 (grew): 3e-4;  1e-3, 2e-4, 1e-4 (shrank): 1e-4
+    assert run_with({0: 0.0, 1: 1e-3, 2: 1.1e-3, 3: 1.3e-3}) == pytest.approx(3e-4)
+    assert run_with({0: 0.0, 1: 1e-3, 2: 1.2e-3, 3: 1.3e-3}) == pytest.approx(1e-4)
