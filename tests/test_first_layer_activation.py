@@ -10,6 +10,7 @@ import warnings
 
 import numpy as np
 import pytest
+from modal_reference import outputs
 
 import aimsym
 from aimsym.denoise import modal
@@ -89,15 +90,6 @@ def reduced_moments(first, h, omega, V, n=160):
     second = np.einsum("n,ni,nj->ij", W, flat, flat) / S0
     log_z = np.log(S0) + top - 0.5 * T * (np.linalg.slogdet(V)[1] + p * np.log(2 * np.pi))
     return log_z, mean, second
-
-
-def outputs(V, omega, mean, second):
-    p, T = omega.shape
-    Vinv = np.linalg.inv(V)
-    g = Vinv @ (mean - omega)
-    C4 = (second - np.outer(mean.ravel(), mean.ravel())).reshape(p, T, p, T)
-    dg = np.einsum("ka,atbs,bl->ktls", Vinv, C4, Vinv) - np.einsum("ts,kl->ktls", np.eye(T), Vinv)
-    return g, dg
 
 
 @pytest.mark.parametrize("first", ["linear", "hardmax"])
