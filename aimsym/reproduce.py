@@ -27,7 +27,6 @@ import contextlib
 import csv
 import io
 import json
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,21 +96,25 @@ def se_overlaps(work: Path, model: str, *, title: str, alphas, samples: int, tol
     Q = I): ``aimsym thresholds`` + ``aimsym sweep`` + ``aimsym plot``."""
     from .model import load
     from .plot.se import overlaps
+    from .smi.passes import clear as clear_passes
     from .smi.thresholds import threshold_report
     from .studies.sweep import export, run_sweep
 
     m = load(model, skip=1.0)
+    # the sweep first: its points are stored one by one (the staircase's later steps can take hours)
+    store = work / "sweep.sqlite"
+    run_sweep(model, alphas, params={"skip": [1.0]}, store=store, samples=samples, tol=tol, nodes=nodes, seed=seed,
+              workers=1, progress=True)
     th_key = {"model_hash": m.hash(), "samples": th_samples, "se_samples": th_se_samples, "nodes": nodes, "seed": seed,
               "pr_samples": pr_samples}
     th = _resume_json(work / "thresholds.json", th_key)
     if th is None:
         rep = threshold_report(m, samples=th_samples, se_samples=th_se_samples, nodes=nodes, seed=seed,
-                               pr_samples=pr_samples, pr_algorithmic=False)
+                               pr_samples=pr_samples, pr_algorithmic=False, checkpoint=work / "threshold_passes")
         th = json.loads(json.dumps(rep, default=to_builtin))
         (work / "thresholds.json").write_text(json.dumps({"key": th_key, "value": th}))
-    store = work / "sweep.sqlite"
-    run_sweep(model, alphas, params={"skip": [1.0]}, store=store, samples=samples, tol=tol, nodes=nodes, seed=seed,
-              workers=1, progress=True)
+        if not rep.failed:
+            clear_passes(work / "threshold_passes")
     rows = [r for r in export(store) if r["init"] == "uninformed"]
     overlaps(rows, work / "overlaps.png", th["staircase"], title, perfect=th["perfect_recovery"])
     settings = {"model": model, "skip": 1.0, "alphas": [float(a) for a in alphas], "samples": samples, "tol": tol,
@@ -465,17 +468,25 @@ def _out_folder(out, name: str) -> Path:
 
 
 # what a figure's code keeps between runs in OUT/NAME_state/ (the SE points of its sweep, its
-# thresholds): a rerun with the same --out reuses what matches its settings and model hash
-STATE_FILES = ("sweep.sqlite", "thresholds.json")
+# thresholds, the denoiser passes of the SE runs in progress): a rerun with the same --out reuses
+# what matches its settings and model hash. The figure's code works in that folder itself, so a
+# run killed outright (cluster wall time, SIGKILL) keeps every point it stored and every pass.
+STATE_FILES = ("sweep.sqlite", "sweep.sqlite.passes", "thresholds.json", "threshold_passes")
 
 
-def _copy_state(src: Path, dst: Path) -> None:
+def _tidy_state(state: Path, before: set) -> None:
+    """Remove what the figure's code wrote into ``state`` besides its state (its own drawings);
+    the folder itself if nothing is left."""
     import shutil
 
-    for fname in STATE_FILES:
-        if (src / fname).is_file():
-            dst.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src / fname, dst / fname)
+    for f in state.iterdir():
+        if f.name in STATE_FILES or f in before:
+            continue
+        shutil.rmtree(f) if f.is_dir() and not f.is_symlink() else f.unlink(missing_ok=True)
+    try:
+        state.rmdir()
+    except OSError:
+        pass  # (state kept)
 
 
 def run(name: str, out=None, *, quick: bool = False, dpi: int = 100) -> dict:
@@ -491,13 +502,16 @@ def run(name: str, out=None, *, quick: bool = False, dpi: int = 100) -> dict:
     t0 = time.perf_counter()
     printed = io.StringIO()
     state = folder / f"{name}_state"
-    with tempfile.TemporaryDirectory() as tmp, collecting_figures() as figs, contextlib.redirect_stdout(printed):
-        work = Path(tmp)
-        _copy_state(state, work)
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AimsymError("--out", f"cannot create {state} ({exc.strerror})") from None
+    before = set(state.iterdir())
+    with collecting_figures() as figs, contextlib.redirect_stdout(printed):
         try:
-            result = entry.draw(work, quick) or {}
-        finally:  # (also when interrupted: a rerun with the same --out resumes from here)
-            _copy_state(work, state)
+            result = entry.draw(state, quick) or {}
+        finally:  # (also when interrupted: a rerun with the same --out resumes from the state)
+            _tidy_state(state, before)
     if not figs:
         raise RuntimeError(f"{name}: the figure code saved no figure")
     fig = figs[-1][0]

@@ -430,6 +430,8 @@ def test_a_rerun_into_the_same_folder_resumes_from_its_state(tmp_path, monkeypat
     data = (out / "smi-fig1-left.csv").read_text()
     state = out / "smi-fig1-left_state"
     assert (state / "sweep.sqlite").is_file() and (state / "thresholds.json").is_file()
+    # the finished run leaves its state only: no passes in progress, none of its own drawings
+    assert sorted(f.name for f in state.iterdir()) == ["sweep.sqlite", "thresholds.json"]
 
     def boom(*a, **k):
         raise AssertionError("recomputed")
@@ -442,3 +444,36 @@ def test_a_rerun_into_the_same_folder_resumes_from_its_state(tmp_path, monkeypat
     second = reproduce.run("smi-fig1-left", out, quick=True)
     assert (out / "smi-fig1-left.csv").read_text() == data
     assert json.dumps(second["summary"]) == json.dumps(first["summary"])
+
+
+def test_a_killed_reproduce_keeps_the_points_it_stored(tmp_path):
+    """Killed outright (SIGKILL: no cleanup runs), the figure's state keeps every SE point already
+    stored; the rerun computes only the rest."""
+    import os
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "fig"
+    store = out / "smi-fig1-left_state" / "sweep.sqlite"
+    cmd = [sys.executable, "-m", "aimsym.cli", "reproduce", "smi-fig1-left", "--quick", "--out", str(out)]
+
+    def stored():
+        try:
+            with sqlite3.connect(store) as con:
+                return con.execute("SELECT COUNT(*) FROM points").fetchone()[0]
+        except sqlite3.Error:
+            return 0
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and stored() < 1:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    kept = stored()
+    assert kept >= 1
+    subprocess.run(cmd, check=True, capture_output=True)
+    assert stored() == 3  # the quick run's three alphas, none twice

@@ -16,6 +16,9 @@ def _common(p, *, samples: int):
     p.add_argument("--nodes", type=int, default=None, help="denoiser Gauss-Hermite nodes per dimension")
     p.add_argument("--seed", type=int, default=0, help="seed of the QMC scrambles (default 0)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="keep every denoiser pass in DIR: the same command again resumes where a stopped run "
+                        "ended (cluster wall time, Ctrl-C); removed once the result is printed")
 
 
 def register(sub) -> None:
@@ -84,7 +87,6 @@ def parse_block(text):
 
 
 def cmd_se(args) -> int:
-    from .common import print_json
     from ..smi.se import state_evolution
 
     model = load_model(args)
@@ -94,11 +96,27 @@ def cmd_se(args) -> int:
     res = state_evolution(model, args.alpha, init=args.init, side_info=args.side_info, side_block=block,
                           damping=args.damping, tol=args.tol, max_iter=args.max_iter, samples=args.samples,
                           replicas=args.replicas, nodes=args.nodes, seed=args.seed,
-                          progress=sys.stderr.isatty())
+                          progress=sys.stderr.isatty(), checkpoint=args.checkpoint)
+    _print_se(model, res, args.json)
+    _clear_checkpoint(args)
+    return 0
+
+
+def _clear_checkpoint(args) -> None:
+    if getattr(args, "checkpoint", None):
+        from ..smi.passes import clear
+
+        sys.stdout.flush()  # (the result is out before the passes that led to it go)
+        clear(args.checkpoint)
+
+
+def _print_se(model, res, as_json: bool) -> None:
+    from .common import print_json
+
     out = res.to_dict()
-    if args.json:
+    if as_json:
         print_json(out)
-        return 0
+        return
     print(f"model {model.name} {model.parameters}  alpha = {res.alpha}  init = {res.init}")
     print(f"converged = {res.converged} after {res.iterations} iterations ({res.seconds:.1f} s)")
     for k in range(model.p):
@@ -115,23 +133,34 @@ def cmd_se(args) -> int:
         pe = res.errors["prediction"]
         print(f"prediction error: Bayes-optimal {pe.bayes_optimal:.4f}  plug-in {pe.plug_in:.4f}")
     print(f"free entropy {res.free_entropy:.5f} ± {res.free_entropy_stderr:.5f}")
-    return 0
 
 
 def cmd_thresholds(args) -> int:
-    from .common import print_json
     from ..smi.thresholds import threshold_report
 
     if args.over:
+        if args.checkpoint:
+            raise AimsymError("--checkpoint", "not available with --over (a phase diagram's values run in "
+                                              "separate processes); use it for one model's thresholds")
         return cmd_phase_diagram(args)
     model = load_model(args)
     rep = threshold_report(model, samples=args.samples, replicas=args.replicas, nodes=args.nodes, seed=args.seed,
                            staircase=not args.no_staircase, se_samples=args.se_samples, check=args.check,
                            stair_steps=args.stair_steps, perfect=not args.no_perfect, pr_samples=args.pr_samples,
-                           pr_algorithmic=not args.pr_local)
-    if args.json:
+                           pr_algorithmic=not args.pr_local, checkpoint=args.checkpoint)
+    _print_thresholds(model, rep, args.json)
+    if rep.failed:
+        return 1  # (a failed stage keeps its passes: the same command resumes it)
+    _clear_checkpoint(args)
+    return 0
+
+
+def _print_thresholds(model, rep, as_json: bool) -> None:
+    from .common import print_json
+
+    if as_json:
         print_json(rep)
-        return 1 if rep.failed else 0
+        return
     ini = rep.initial
     print(f"model {model.name} {model.parameters}")
     print(f"alpha_c = {_pm(ini.alpha, ini.stderr)}  (rho(F) = {_pm(ini.rho, ini.rho_stderr)}), direction:")
@@ -159,7 +188,6 @@ def cmd_thresholds(args) -> int:
             print(f"uninformed SE reaches Q = I at alpha = {alg.alpha:.4f} ± {pr.stderr:.4f} ({alg.kind})")
     for stage, msg in (rep.failed or {}).items():
         print(f"{stage}: failed ({msg}); the results above are complete")
-    return 1 if rep.failed else 0
 
 
 def _split(stat: float, quad: float) -> str:

@@ -240,10 +240,12 @@ def algorithmic_threshold(model, ch: Channel, *, lo: float, hi: float, rel: floa
 
 
 def perfect_recovery(model, *, samples: int = 1024, replicas: int = 8, seed=0, nodes=None, groups: int = GROUPS,
-                     algorithmic: bool = True, se_tol: float = PR_SE_TOL, max_iter: int = 1000) -> PerfectRecovery:
+                     algorithmic: bool = True, se_tol: float = PR_SE_TOL, max_iter: int = 1000,
+                     checkpoint=None) -> PerfectRecovery:
     """The ``perfect_recovery`` entry of the thresholds report: counting, local and algorithmic
     alpha with standard errors (local: jackknife over replicas; algorithmic: the spread of
-    independent bisections on ``groups`` disjoint groups of replicas)."""
+    independent bisections on ``groups`` disjoint groups of replicas). ``checkpoint``: a folder
+    keeping the denoiser passes (a stopped run resumes)."""
     t0 = time.perf_counter()
     counting = model.counting
     if counting["alpha_pr"] is None or model.noise > 0:
@@ -252,7 +254,7 @@ def perfect_recovery(model, *, samples: int = 1024, replicas: int = 8, seed=0, n
     out = PerfectRecovery(counting_alpha=counting["alpha_pr"], m=counting["m"], note=counting["note"])
     if replicas % groups:
         raise AimsymError("replicas", f"must be a multiple of {groups} (independent groups for the standard error)")
-    ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
+    ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes, checkpoint=checkpoint)
     out.local = local_stability(ch)
     if algorithmic:
         a_pr = counting["alpha_pr"]
@@ -263,7 +265,7 @@ def perfect_recovery(model, *, samples: int = 1024, replicas: int = 8, seed=0, n
         a0 = full.alpha if np.isfinite(full.alpha) else a_pr
         for g in range(groups):
             # the groups' thresholds scatter around the full set's: a narrow bracket, coarser steps
-            sub = Channel(ch.model, ch.den, ch.points[g * per:(g + 1) * per])
+            sub = ch.with_points(ch.points[g * per:(g + 1) * per])
             parts.append(algorithmic_threshold(model, sub, lo=max(0.98 * a_pr, 0.92 * a0), hi=1.06 * a0,
                                                rel=GROUP_REL, se_kw=se_kw).alpha)
         parts = np.array(parts)

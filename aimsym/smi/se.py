@@ -36,6 +36,7 @@ from ..denoise.chamber import certified_default
 from ..denoise.channel import MODAL_ONLY
 from ..errors import AimsymError, ConvergenceWarning
 from ..provenance import provenance
+from .passes import Passes, as_passes, channel_key
 
 # Gauss-Hermite nodes per reduced dimension used by default in SE (cheaper than the denoiser's
 # own defaults). In 2-D (two layers, T = 2) the denoiser's polar sector rule is used where it
@@ -172,6 +173,8 @@ class Channel:
     points: np.ndarray  # (R, n, 2 p T [+ noise dims])
     used: object = None  # the denoiser of the last call (``den`` or the mode-centred rule near V = 0)
     on_pass: object = None  # called with the number of points after every denoiser pass (progress display)
+    passes: Passes | None = None  # denoiser passes kept on disk (a stopped run resumes; smi/passes.py)
+    _pass_key: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def p(self):
@@ -184,7 +187,15 @@ class Channel:
     def subset(self, fraction: int) -> "Channel":
         """The first 1/fraction of every replica's points (a coarser rule, same denoiser)."""
         n = max(self.points.shape[1] // fraction, 2)
-        return Channel(self.model, self.den, self.points[:, :n], on_pass=self.on_pass)
+        return self.with_points(self.points[:, :n])
+
+    def with_points(self, points: np.ndarray) -> "Channel":
+        """The same denoiser (and progress display and kept passes) at other points."""
+        return Channel(self.model, self.den, points, on_pass=self.on_pass, passes=self.passes)
+
+    def with_denoiser(self, den) -> "Channel":
+        """The same points (and progress display and kept passes) with another denoiser."""
+        return Channel(self.model, den, self.points, on_pass=self.on_pass, passes=self.passes)
 
     def split(self):
         p, T = self.p, self.T
@@ -221,14 +232,24 @@ class Channel:
         """Denoiser output at every point at overlap Q (flattened batch R * n). Samples whose
         error estimate stays above the denoiser's tol are recomputed by the mode-centred rule
         (:func:`rescue`)."""
+        R, n = self.points.shape[:2]
+        V = np.eye(self.p) - clip_overlap(Q)
+        modal = _modal(self.model, SE_TOL) if np.linalg.eigvalsh(V).max() <= MODAL_BELOW else None
+        if self.passes is not None:
+            if self._pass_key is None:
+                self._pass_key = channel_key(self.model, self.den, self.points)
+            out = self.passes.load(self._pass_key, Q)
+            if out is not None:  # made before (a resumed run): the same bits as computing it
+                self.used = modal or self.den
+                if self.on_pass is not None:
+                    self.on_pass(R * n)
+                return out, R, n
         omega, V, y = self.observe(Q)
-        R, n = omega.shape[:2]
         om = omega.reshape(R * n, self.p, self.T)
         if self.uses_observation:
             args, kw = (None, om, V), {"obs": y.reshape(R * n, -1)}
         else:
             args, kw = (y.reshape(R * n, *y.shape[2:]), om, V), {}
-        modal = _modal(self.model, SE_TOL) if np.linalg.eigvalsh(V).max() <= MODAL_BELOW else None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
             out = (modal or self.den)(*args, **kw)
@@ -238,6 +259,8 @@ class Channel:
             out = rescue(self.model, self.den, out, args, kw)
         self.used = modal or self.den
         _rewarn(caught, out, getattr(self.used, "tol", None))
+        if self.passes is not None:
+            self.passes.save(self._pass_key, Q, out)
         if self.on_pass is not None:
             self.on_pass(R * n)
         return out, R, n
@@ -333,11 +356,12 @@ def uses_observation(model, den) -> bool:
 
 
 def make_channel(model, *, samples: int, replicas: int, seed, nodes=None, extra_dims: int = 0,
-                 polar=None) -> Channel:
+                 polar=None, checkpoint=None) -> Channel:
+    """The SE's expectation points and denoiser; ``checkpoint``: a folder keeping its passes."""
     den = model.denoiser(**denoiser_accuracy(model, nodes, polar, samples=samples))
     n_out = int(np.prod(model.output_shape)) if model.noise > 0 else 0
     dim = 2 * model.p * model.tokens + n_out + extra_dims
-    return Channel(model, den, normal_points(dim, samples, replicas, seed))
+    return Channel(model, den, normal_points(dim, samples, replicas, seed), passes=as_passes(checkpoint))
 
 
 def se_tol(samples: int | None) -> float:
@@ -401,7 +425,7 @@ def se_map(ch: Channel, Q: np.ndarray, alpha: float, *, diagnostics: bool = Fals
     if finer is not None:  # a fixed rule: its error per sample against the rule with twice the nodes
         from ..denoise.output import difference
 
-        fine, _, _ = Channel(ch.model, finer, ch.points).denoise(Q)
+        fine, _, _ = Channel(ch.model, finer, ch.points, passes=ch.passes).denoise(Q)
         err = difference(out.g_out, out.dg_out, fine.g_out, fine.dg_out, out.log_z_out, fine.log_z_out)
         summary.update(quadrature_error_max=float(np.max(err)), quadrature_error_median=float(np.median(err)),
                        quadrature_note="fixed rule: its error estimated against twice its nodes (at the fixed point)")
@@ -725,7 +749,7 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
                     restrict=None, damping: float = 0.0, tol: float = 1e-4, max_iter: int = 500,
                     samples: int = 4096, replicas: int = 8, nodes=None, seed=0, errors: bool = True,
                     channel: Channel | None = None, init_eps: float = 1e-4, coarse: int = 8,
-                    anderson: int = 3, stop=None, progress: bool = False) -> SEResult:
+                    anderson: int = 3, stop=None, progress: bool = False, checkpoint=None) -> SEResult:
     """Iterate the SE to a fixed point (see :func:`_converged` for the test).
 
     side_info / side_block: lambda on a block of indices (all if None). ``restrict``: indices U;
@@ -734,6 +758,9 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
     ``stop``: optional predicate on Q; the iteration ends (converged = False) as soon as it holds
     (e.g. "the overlap has left zero", all a bisection needs to know).
     ``progress``: a progress display of the denoiser passes (points denoised) on stderr.
+    ``checkpoint``: a folder (or :class:`~aimsym.smi.passes.Passes`) keeping every denoiser pass;
+    the same call again replays the passes made and continues (a stopped run resumes). The
+    caller removes them (``Passes.clear``) once the result is safe.
     """
     alpha = float(alpha)
     if not (np.isfinite(alpha) and alpha >= 0):
@@ -751,12 +778,14 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
     t0 = time.perf_counter()
     p = model.p
     ch = channel or make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
+    if checkpoint is not None:
+        ch = Channel(ch.model, ch.den, ch.points, on_pass=ch.on_pass, passes=as_passes(checkpoint))
     bar = None
     if progress and ch.on_pass is None:
         from tqdm.auto import tqdm
 
         bar = tqdm(desc=f"SE alpha={alpha:g}", unit="pt", unit_scale=True, leave=False)
-        ch = Channel(ch.model, ch.den, ch.points, on_pass=bar.update)
+        ch = Channel(ch.model, ch.den, ch.points, on_pass=bar.update, passes=ch.passes)
     try:
         res = _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, damping, tol, max_iter,
                                errors, init_eps, coarse, anderson, stop, t0, seed)
@@ -765,7 +794,7 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
         finer = finer_rule(model, ch.den) if (nodes is None and channel is None and stop is None) else None
         while (finer is not None and (res.diagnostics.get("quadrature_to_statistical") or 0.0) > 1.0
                and finer.nodes <= SE_MAX_NODES.get(int(model.kernels.INTEGRAL_DIM), 0)):
-            ch = Channel(ch.model, finer, ch.points, on_pass=ch.on_pass)
+            ch = ch.with_denoiser(finer)
             res = _state_evolution(model, ch, alpha, res.Q, side_info, side_block, restrict, damping, tol,
                                    max_iter, errors, init_eps, coarse, anderson, stop, t0, seed)
             res.diagnostics["refined_nodes"] = int(finer.nodes)

@@ -37,6 +37,7 @@ from scipy.optimize import brentq
 from ..errors import AimsymError
 from ..provenance import provenance
 from ..results import Result
+from .passes import as_passes
 from .se import Channel, denoiser_accuracy, finer_rule, make_channel, state_evolution, sym
 
 
@@ -316,7 +317,7 @@ def tail_scaled(ch: Channel, scale: float) -> tuple[Channel, np.ndarray]:
     e = pts[..., p * T: 2 * p * T] * scale
     pts[..., p * T: 2 * p * T] = e
     logw = e.shape[-1] * np.log(scale) - 0.5 * (1.0 - scale**-2) * np.sum(e * e, axis=-1)
-    return Channel(ch.model, ch.den, pts), np.exp(logw)
+    return ch.with_points(pts), np.exp(logw)
 
 
 # Denoiser nodes of the Q = 0 operator (one pass, so cheap) where the SE default biases alpha_c
@@ -339,7 +340,7 @@ def _threshold_denoiser(model, ch: Channel) -> Channel:
     dim = int(model.kernels.INTEGRAL_DIM) if hasattr(model, "kernels") else 0
     if dim not in THRESHOLD_NODES:
         return ch
-    return Channel(ch.model, model.denoiser(**denoiser_accuracy(model, THRESHOLD_NODES[dim])), ch.points)
+    return ch.with_denoiser(model.denoiser(**denoiser_accuracy(model, THRESHOLD_NODES[dim])))
 
 
 def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=None, seed=0,
@@ -361,7 +362,7 @@ def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes
         # an error-controlled rule: the bound from its per-sample estimates
         return _with_quadrature(th, op.rho_quadrature / op.rho**2)
     while finer is not None:
-        th2 = replace(_as_threshold(operator(Channel(ch.model, finer, ch.points), np.zeros((p, p)), list(range(p)),
+        th2 = replace(_as_threshold(operator(ch.with_denoiser(finer), np.zeros((p, p)), list(range(p)),
                                              weights=weights), alpha_factor=1.0), tail_scale=float(tail_scale))
         quad = abs(th2.alpha - th.alpha)
         if nodes is not None:  # the requested rule's value, with its error against twice its nodes
@@ -371,7 +372,7 @@ def initial_threshold(model, *, samples: int = 1 << 16, replicas: int = 8, nodes
         # difference to half its nodes as its error (conservative where the rule converges)
         if quad <= th2.stderr or finer.nodes * 2 > THRESHOLD_MAX_NODES.get(int(model.kernels.INTEGRAL_DIM), 0):
             return replace(_with_quadrature(th2, quad), nodes=int(finer.nodes))
-        ch, th, finer = Channel(ch.model, finer, ch.points), th2, finer_rule(model, finer)
+        ch, th, finer = ch.with_denoiser(finer), th2, finer_rule(model, finer)
     return th
 
 
@@ -613,21 +614,25 @@ STAIR_REPLICAS = 32
 
 def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14, replicas: int = 8,
               se_samples: int = 2048, nodes=None, seed=0, parametric: bool = True,
-              op_replicas: int = STAIR_REPLICAS, max_steps: int | None = None) -> list[StaircaseStep]:
+              op_replicas: int = STAIR_REPLICAS, max_steps: int | None = None,
+              checkpoint=None) -> list[StaircaseStep]:
     """Ordered list of the next thresholds after ``first`` is learned at alpha_c. A single learned
     index uses the parametric branch (:func:`next_threshold_branch`, operator points only) unless
     ``parametric`` is False; larger learned blocks iterate the restricted SE (``se_samples``,
     ``replicas``). The operator points have ``op_replicas`` replicas (fewer if ``samples`` is small).
-    ``max_steps``: stop after that many steps (None: until every index is learned)."""
+    ``max_steps``: stop after that many steps (None: until every index is learned).
+    ``checkpoint``: a folder keeping the denoiser passes (a stopped run resumes; smi/passes.py)."""
     op_replicas = max(3, min(op_replicas, samples // 32))  # keep >= 32 points per replica
-    ch_op = make_channel(model, samples=samples, replicas=op_replicas, seed=seed + 1, nodes=nodes)
+    ch_op = make_channel(model, samples=samples, replicas=op_replicas, seed=seed + 1, nodes=nodes,
+                         checkpoint=checkpoint)
     ch_se = None  # only the iterated restricted SE needs its own points
     learned, alpha, steps = list(first), alpha_c, []
     while len(learned) < model.p and (max_steps is None or len(steps) < max_steps):
         if len(learned) == 1 and parametric:
             th = next_threshold_branch(model, learned[0], alpha, ch=ch_op)
         else:
-            ch_se = ch_se or make_channel(model, samples=se_samples, replicas=replicas, seed=seed + 2, nodes=nodes)
+            ch_se = ch_se or make_channel(model, samples=se_samples, replicas=replicas, seed=seed + 2, nodes=nodes,
+                                          checkpoint=checkpoint)
             th = next_threshold(model, learned, alpha, ch_op=ch_op, ch_se=ch_se)
         sub = th.subspace or [i for i in range(model.p) if i not in learned]
         steps.append(StaircaseStep(subspace=sub, alpha=th.alpha, stderr=th.stderr, jump=th.jump,
@@ -705,17 +710,21 @@ class ThresholdReport(Result):
 def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=None, seed=0,
                      staircase_steps: bool = True, staircase: bool | None = None, se_samples: int = 2048,
                      check: bool = False, perfect: bool = True, pr_samples: int = 1024,
-                     pr_algorithmic: bool = True, stair_steps: int | None = None) -> ThresholdReport:
+                     pr_algorithmic: bool = True, stair_steps: int | None = None,
+                     checkpoint=None) -> ThresholdReport:
     """alpha_c, the staircase (its first ``stair_steps`` steps past alpha_c; None: all) and
     (``perfect``) the perfect-recovery transition (:func:`aimsym.smi.perfect.perfect_recovery` on
-    ``pr_samples`` SE points; ``pr_algorithmic=False``: local stability only)."""
+    ``pr_samples`` SE points; ``pr_algorithmic=False``: local stability only). ``checkpoint``: a
+    folder keeping every denoiser pass, so that the same call again resumes where it stopped (the
+    caller clears it once the report is written)."""
     if stair_steps is not None and (isinstance(stair_steps, bool) or not isinstance(stair_steps, int | np.integer)
                                     or stair_steps < 1):
         raise AimsymError("stair_steps", f"must be an integer >= 1 or None, got {stair_steps!r}")
     t0 = time.perf_counter()
     _check_mixing(model)
     do_stairs = staircase_steps if staircase is None else staircase
-    ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
+    passes = as_passes(checkpoint)
+    ch = make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes, checkpoint=passes)
     ini = initial_threshold(model, channel=ch, nodes=nodes)
     steps = [StaircaseStep(subspace=ini.subspace, alpha=ini.alpha, stderr=ini.stderr)]
     rep = ThresholdReport(initial=ini, staircase=steps)
@@ -724,7 +733,7 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
     if do_stairs and len(ini.subspace) < model.p and np.isfinite(ini.alpha):
         _stage(rep, "staircase", lambda: steps.extend(_staircase(
             model, ini.alpha, ini.subspace, samples=max(samples // 4, 1024), replicas=replicas,
-            se_samples=se_samples, nodes=nodes, seed=seed, max_steps=stair_steps)))
+            se_samples=se_samples, nodes=nodes, seed=seed, max_steps=stair_steps, checkpoint=passes)))
     if check and np.isfinite(ini.alpha):
         a = ini.alpha
         _stage(rep, "check", lambda: setattr(rep, "check", threshold_by_side_information(
@@ -733,7 +742,8 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
         from .perfect import perfect_recovery
 
         _stage(rep, "perfect_recovery", lambda: setattr(rep, "perfect_recovery", perfect_recovery(
-            model, samples=pr_samples, replicas=replicas, seed=seed, nodes=nodes, algorithmic=pr_algorithmic)))
+            model, samples=pr_samples, replicas=replicas, seed=seed, nodes=nodes, algorithmic=pr_algorithmic,
+            checkpoint=passes)))
     accuracy = {**ch.den.accuracy, "samples": samples, "replicas": replicas, "se_samples": se_samples,
                 "pr_samples": pr_samples if perfect else None, "rule": "scrambled Sobol (randomised QMC)"}
     rep.accuracy = accuracy

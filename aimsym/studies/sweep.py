@@ -14,6 +14,7 @@ point, so an interrupted sweep ends bit-identical to an uninterrupted one.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -28,6 +29,7 @@ import numpy as np
 
 from ..errors import AimsymError, ConvergenceWarning
 from ..results import to_builtin
+from ..smi.passes import clear as clear_passes
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS points (
     key TEXT PRIMARY KEY, model_hash TEXT, params TEXT, alpha REAL, init TEXT, record TEXT)"""
@@ -152,23 +154,35 @@ def _worker_channel(text: str, name: str, params_json: str, opts_json: str):
                         replicas=opts["replicas"], seed=opts["seed"], nodes=opts["nodes"])
 
 
-def run_point(text: str, name: str, params: dict, alpha: float, init: str, opts: dict, prev):
+def passes_folder(store) -> Path:
+    """Where the sweep keeps the denoiser passes of the points in progress (smi/passes.py): a point
+    stopped mid-way resumes from its last pass; a stored point's passes are removed."""
+    return Path(str(store) + ".passes")
+
+
+def _point_passes(root, key: str) -> Path:
+    return Path(root) / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def run_point(text: str, name: str, params: dict, alpha: float, init: str, opts: dict, prev, passes=None):
     """Compute one point of a chain (on a worker): warm start from ``prev`` (the previous point's
-    Q, or None). Returns the row the client stores; nothing is written here."""
+    Q, or None); ``passes``: the folder of the sweep's kept denoiser passes (None: none kept).
+    Returns the row the client stores; nothing is written to the store here."""
     from ..smi.se import state_evolution
 
     pj, oj = json.dumps(params, sort_keys=True), json.dumps(opts, sort_keys=True)
     model = _worker_model(text, name, pj)
     ch = _worker_channel(text, name, pj, oj)
+    key = point_key(model.hash(), alpha, init, opts)
     start = init if prev is None or init == "informed" else np.maximum(np.asarray(prev), 1e-4 * np.eye(model.p))
     with warnings.catch_warnings():  # (the client counts the points that did not converge)
         warnings.simplefilter("ignore", ConvergenceWarning)
-        res = state_evolution(model, alpha, init=start, channel=ch, seed=opts["seed"], tol=opts["tol"])
+        res = state_evolution(model, alpha, init=start, channel=ch, seed=opts["seed"], tol=opts["tol"],
+                              checkpoint=None if passes is None else _point_passes(passes, key))
     rec = res.to_dict()
     rec["init"] = init
     rec["params"] = params
-    return (point_key(model.hash(), alpha, init, opts), model.hash(), pj, float(alpha), init,
-            json.dumps(rec, default=to_builtin))
+    return (key, model.hash(), pj, float(alpha), init, json.dumps(rec, default=to_builtin))
 
 
 def grid(params: dict[str, list[float]]) -> list[dict]:
@@ -285,6 +299,10 @@ def run_sweep(model_path, alphas, *, params: dict | None = None, inits=("uninfor
         bar.close()  # (also on errors: a message then starts on a fresh line)
         if own_client:
             client.close()
+        try:
+            passes_folder(store).rmdir()  # (only if no point is left in progress)
+        except OSError:
+            pass
     return n
 
 
@@ -296,6 +314,7 @@ def _quiet_worker() -> None:
 
 def _store_result(store, chain, row) -> None:
     _write(store, row)
+    clear_passes(_point_passes(passes_folder(store), row[0]))  # (the point is safe in the store)
     chain.advance(np.array(json.loads(row[5])["Q"]))
 
 
@@ -303,24 +322,25 @@ def _run_serial(chains, text, name, opts, store, bar) -> int:
     n = 0
     for c in chains:
         while (nxt := c.next_point()) is not None:
-            _store_result(store, c, run_point(text, name, c.params, nxt[0], c.init, opts, nxt[1]))
+            _store_result(store, c, run_point(text, name, c.params, nxt[0], c.init, opts, nxt[1],
+                                              str(passes_folder(store))))
             n += 1
             bar.update()
     return n
 
 
-def _submit(submit, chain, text, name, opts):
+def _submit(submit, chain, text, name, opts, passes=None):
     nxt = chain.next_point()
     if nxt is None:
         return None
     prev = None if nxt[1] is None else nxt[1].tolist()
-    return submit(run_point, text, name, chain.params, nxt[0], chain.init, opts, prev)
+    return submit(run_point, text, name, chain.params, nxt[0], chain.init, opts, prev, passes)
 
 
 def _run_pool(ex, chains, text, name, opts, store, bar) -> int:
     pending = {}
     for c in chains:
-        if (f := _submit(ex.submit, c, text, name, opts)) is not None:
+        if (f := _submit(ex.submit, c, text, name, opts, str(passes_folder(store)))) is not None:
             pending[f] = c
     n = 0
     while pending:
@@ -330,7 +350,7 @@ def _run_pool(ex, chains, text, name, opts, store, bar) -> int:
             _store_result(store, c, f.result())
             n += 1
             bar.update()
-            if (g := _submit(ex.submit, c, text, name, opts)) is not None:
+            if (g := _submit(ex.submit, c, text, name, opts, str(passes_folder(store)))) is not None:
                 pending[g] = c
     return n
 
