@@ -117,3 +117,74 @@ def test_denoiser_matches_independent_integral_with_honest_estimate(tmp_path, fi
         assert actual <= out.error[0] + own, (np.diag(V), actual, out.error[0])
         if first == "linear":  # (smooth integrand: the cascade meets its tol)
             assert out.error[0] <= 1e-6 and actual < 1e-6
+
+
+def _batch(m, rng, n, V):
+    p, T = m.p, m.tokens
+    om = np.einsum("ij,njt->nit", np.linalg.cholesky(np.eye(p) - V), rng.standard_normal((n, p, T)))
+    Z = om + np.einsum("ij,njt->nit", np.linalg.cholesky(V), rng.standard_normal((n, p, T)))
+    return om, m.observation(Z)
+
+
+@pytest.mark.parametrize("first", ["linear", "hardmax"])
+def test_g_out_and_dg_out_are_derivatives_of_log_z(tmp_path, first):
+    """Central differences of the denoiser's own log Z_out and g_out in every entry of omega, at
+    an SE point and with the last layer nearly known."""
+    m = declare(tmp_path, first)
+    den = m.denoiser(rule="modal", tol=1e-9)
+    rng = np.random.default_rng(11)
+    step = 1e-3
+    for V in (0.6 * np.eye(2), np.diag([0.7, 0.05])):
+        om, obs = _batch(m, rng, 1, V)
+        oms = [om[0]]
+        for k in range(2):
+            for t in range(2):
+                for s in (1, -1):
+                    o = om[0].copy()
+                    o[k, t] += s * step
+                    oms.append(o)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            out = den(None, np.array(oms), V, obs=np.repeat(obs, len(oms), axis=0))
+        g0, dg0 = out.g_out[0], out.dg_out[0]
+        scale = max(1.0, np.abs(dg0).max())
+        i = 1
+        for k in range(2):
+            for t in range(2):
+                fd_g = (out.log_z_out[i] - out.log_z_out[i + 1]) / (2 * step)
+                fd_dg = (out.g_out[i] - out.g_out[i + 1]) / (2 * step)
+                # (central differences: O(step^2 * third derivative), ~1e-6 relative here)
+                assert abs(fd_g - g0[k, t]) < 1e-5 * max(1.0, abs(g0[k, t])), (first, k, t, fd_g, g0[k, t])
+                assert np.abs(fd_dg - dg0[:, :, k, t]).max() < 1e-4 * scale, (first, k, t)
+                i += 2
+
+
+@pytest.mark.parametrize("first", ["linear", "hardmax"])
+def test_nishimori_identity(tmp_path, first):
+    """E[g g^T] = -E[sum_t dg_out[:, t; :, t]] at a random Q, within its Monte Carlo error."""
+    m = declare(tmp_path, first)
+    rng = np.random.default_rng(32)
+    A = rng.standard_normal((2, 2))
+    Q = 0.5 * A @ A.T / np.trace(A @ A.T) * 2 * 0.5
+    V = np.eye(2) - Q
+    n = 1024
+    om, obs = _batch(m, rng, n, V)
+    out = m.denoiser(rule="modal", tol=1e-6)(None, om, V, obs=obs)
+    diff = np.einsum("nkt,nlt->nkl", out.g_out, out.g_out) + np.einsum("nktlt->nkl", out.dg_out)
+    mean, se = diff.mean(0), diff.std(0, ddof=1) / np.sqrt(len(diff))
+    assert np.all(np.abs(mean) < 4 * se + 1e-4), (mean, se)
+    assert np.abs(np.einsum("nkt,nlt->kl", out.g_out, out.g_out)).max() / n > 5 * se.max()  # (not vacuous)
+
+
+@pytest.mark.parametrize("first", ["linear", "hardmax"])
+@pytest.mark.parametrize("V", [1e-4 * np.eye(2), np.diag([1e-2, 1e-6])], ids=["iso", "aniso"])
+def test_rank_identity_near_V0(tmp_path, first, V):
+    """E[sum_t g_t^T V g_t] -> m = 2 as V -> 0 (y fixes h = M(z_1) z_2 up to sign at T = 2)."""
+    m = declare(tmp_path, first)
+    om, obs = _batch(m, np.random.default_rng(22), 64, V)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = m.denoiser(rule="modal", tol=1e-5)(None, om, V, obs=obs)
+    s = np.einsum("nkt,kl,nlt->n", out.g_out, V, out.g_out)
+    mean, se = s.mean(), s.std(ddof=1) / np.sqrt(len(s))
+    assert abs(mean - 2) < max(4 * se, 0.05), (first, mean, se)
