@@ -108,6 +108,15 @@ STALL_FRACTION = 0.5
 STALL_DRIFT = 0.3
 # the coarse pass hands over to the full rule once some 1 - Q_kk is below this (see state_evolution)
 COARSE_NEAR_ONE = 0.05
+# a Newton step in the iteration (_iterate, _newton_jump) after NEWTON_AFTER steps shrinking at a
+# steady rate (spread <= NEWTON_RATE_SPREAD) of at least NEWTON_RATE, on at most NEWTON_MAX_FREE
+# learned entries (its Jacobian costs that many maps), at most NEWTON_TRIES attempts per iteration,
+# NEWTON_AFTER steps apart (an attempt that is not a local correction costs its maps for nothing)
+NEWTON_AFTER = 4
+NEWTON_RATE = 0.6
+NEWTON_RATE_SPREAD = 0.1
+NEWTON_MAX_FREE = 3
+NEWTON_TRIES = 8
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -633,11 +642,14 @@ class Response:
 
 
 def map_response(ch: Channel, Q0: np.ndarray, alpha: float, Lam: np.ndarray, mask: np.ndarray,
-                 rel_step: float = 1e-3) -> Response:
+                 rel_step: float = 1e-3, free_mask: np.ndarray | None = None) -> Response:
+    """The map's value at Q0 and its Jacobian by forward differences in the free entries (those of
+    ``mask``, or of ``free_mask`` where given, whose 1 - Q_kk is resolved): 1 + len(free) maps."""
     p = Q0.shape[0]
     e = 1.0 - np.diag(Q0)
+    fm = mask if free_mask is None else free_mask
     free = [(i, j) for i in range(p) for j in range(i, p)
-            if mask[i, j] > 0 and e[i] >= PERFECT_RESOLUTION and e[j] >= PERFECT_RESOLUTION]
+            if fm[i, j] > 0 and e[i] >= PERFECT_RESOLUTION and e[j] >= PERFECT_RESOLUTION]
     resp = Response(free, np.zeros(len(free)), np.zeros((len(free), len(free))))
     if not free:
         return resp
@@ -893,6 +905,7 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
     xs, gs = [], []  # Anderson memory: iterates and their images
     active = np.diag(mask) > 0
     shrinking, jumped, last_rate = 0, False, None
+    newton_tries, last_try = 0, 0
     noise, recent = [], []  # the map's relative replica error per step; the last iterates
     for it in range(1, max_iter + 1):
         Q_hat_r, _ = se_map(ch, Q, alpha)
@@ -935,9 +948,19 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         if stop is not None and stop(Q_new):
             return Q_new, it, False
         Q_plain = damping * Q + (1 - damping) * Q_new
+        h = history[start:]
+        # a slow steady contraction (near Q = I, where Anderson is off, rate ~0.85-0.95: dozens of
+        # steps, each minutes for three layers): one Newton step on the learned entries for
+        # 1 + n maps, at most NEWTON_TRIES per call; the iteration then confirms (or goes on)
+        if (newton_tries < NEWTON_TRIES and it - last_try >= NEWTON_AFTER and not escaping and stop is None
+                and _slow_steady(h) and _local_ahead(Q, Q_new, h)):
+            newton_tries, last_try = newton_tries + 1, it
+            if (Q_jump := _newton_jump(ch, Q_new, alpha, Lam, mask)) is not None:
+                xs, gs = [], []
+                Q = Q_jump
+                continue
         # Anderson only while the plain map contracts (it would also find unstable fixed
         # points, e.g. Q = 0 above a weak-recovery threshold)
-        h = history[start:]
         contracting = len(h) >= 4 and h[-1] < h[-2] < h[-3] < h[-4]
         # (not near Q = I: there the map's noise in 1 - Q_kk is of the order of the step, which
         # the extrapolation amplifies; docs/tuning.md)
@@ -947,6 +970,47 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         xs, gs = (xs + [Q])[-anderson - 1:], (gs + [Q_plain])[-anderson - 1:]
         Q = _anderson(xs, gs) if anderson and contracting and len(xs) > 1 else Q_plain
     return Q, max(max_iter, 0), False
+
+
+def _slow_steady(h) -> bool:
+    """The last NEWTON_AFTER steps shrink steadily at a rate between NEWTON_RATE and 1."""
+    if len(h) < NEWTON_AFTER + 1:
+        return False
+    r = np.array(h[-NEWTON_AFTER:]) / np.maximum(np.array(h[-NEWTON_AFTER - 1:-1]), 1e-300)
+    return bool(np.all((r >= NEWTON_RATE) & (r < 1.0)) and r.max() - r.min() <= NEWTON_RATE_SPREAD)
+
+
+def _local_ahead(Q_old, Q_new, h) -> bool:
+    """Whether the geometric extrapolation of the last step (rate h[-1] / h[-2]) stays within
+    half of every diagonal entry's error scale: a Newton step that would not (the iteration
+    heading for Q = I, where 1 - Q_kk shrinks towards 0) is refused by ``_newton_jump`` anyway,
+    after its maps are paid."""
+    r = min(h[-1] / h[-2], 0.999)
+    ahead = np.abs(np.diag(Q_new) - np.diag(Q_old)) * r / (1.0 - r)
+    return bool(np.all(ahead <= 0.5 * error_scale(Q_new)))
+
+
+def _newton_jump(ch, Q, alpha, Lam, mask):
+    """One Newton step Q + (I - J)^{-1} (F(Q) - Q) in the learned entries (Q_kk between
+    LOWER_FLOOR and 1 - PERFECT_RESOLUTION; the others stay where the iteration has them), or None
+    where it is not a local correction (or the learned block is not contracting: J's spectral
+    radius >= 1) or there are more than NEWTON_MAX_FREE entries."""
+    d = np.diag(Q)
+    learned = (d >= LOWER_FLOOR) & (1.0 - d >= PERFECT_RESOLUTION) & (np.diag(mask) > 0)
+    n = int(learned.sum())
+    if n == 0 or n * (n + 1) // 2 > NEWTON_MAX_FREE:
+        return None
+    resp = map_response(ch, Q, alpha, Lam, mask, free_mask=mask * np.outer(learned, learned))
+    if not resp.free or not resp.stable:
+        return None
+    try:
+        dq = np.linalg.solve(np.eye(len(resp.free)) - resp.J, resp.F0 - resp.vec(Q))
+    except np.linalg.LinAlgError:
+        return None
+    Q_new = clip_overlap(Q + resp.unvec(dq, Q.shape[0])) * mask  # (entries off the learned block stay)
+    if np.any(np.abs(np.diag(Q_new) - d) > 0.5 * error_scale(Q)):
+        return None
+    return Q_new
 
 
 def _reseed(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson, eps, converged, rounds=2):
