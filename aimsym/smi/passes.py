@@ -108,10 +108,6 @@ class Passes:
             warnings.warn(f"checkpoint folder {self.folder}: cannot write ({exc.strerror or exc}); "
                           "the run continues without keeping its passes", RuntimeWarning, stacklevel=3)
 
-    def clear(self) -> None:
-        """Remove the folder's passes (after the result they led to is safely written)."""
-        clear(self.folder)
-
 
 def clear(folder) -> None:
     """Remove the passes kept in ``folder`` (and the folder, if nothing else is in it)."""

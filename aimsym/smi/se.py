@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 from scipy.stats import norm, qmc
@@ -113,6 +113,9 @@ COARSE_NEAR_ONE = 0.05
 # learned entries (its Jacobian costs that many maps), at most NEWTON_TRIES attempts per iteration,
 # NEWTON_AFTER steps apart (an attempt that is not a local correction costs its maps for nothing)
 NEWTON_AFTER = 4
+# a Newton step (newton_polish, _newton_jump) is taken only as a local correction: every diagonal
+# entry moves by at most LOCAL_STEP of its error scale (farther, it is left to the iteration)
+LOCAL_STEP = 0.5
 NEWTON_RATE = 0.6
 NEWTON_RATE_SPREAD = 0.1
 NEWTON_MAX_FREE = 3
@@ -180,10 +183,11 @@ class Channel:
     model: object
     den: object
     points: np.ndarray  # (R, n, 2 p T [+ noise dims])
-    used: object = None  # the denoiser of the last call (``den`` or the mode-centred rule near V = 0)
+    # the denoiser of the last call (``den`` or the mode-centred rule near V = 0)
+    used: object = field(default=None, init=False)
     on_pass: object = None  # called with the number of points after every denoiser pass (progress display)
     passes: Passes | None = None  # denoiser passes kept on disk (a stopped run resumes; smi/passes.py)
-    _pass_key: str | None = field(default=None, repr=False, compare=False)
+    _pass_key: str | None = field(default=None, init=False, repr=False, compare=False)  # (of den and points)
 
     @property
     def p(self):
@@ -200,11 +204,11 @@ class Channel:
 
     def with_points(self, points: np.ndarray) -> "Channel":
         """The same denoiser (and progress display and kept passes) at other points."""
-        return Channel(self.model, self.den, points, on_pass=self.on_pass, passes=self.passes)
+        return replace(self, points=points)
 
     def with_denoiser(self, den) -> "Channel":
         """The same points (and progress display and kept passes) with another denoiser."""
-        return Channel(self.model, den, self.points, on_pass=self.on_pass, passes=self.passes)
+        return replace(self, den=den)
 
     def split(self):
         p, T = self.p, self.T
@@ -434,7 +438,7 @@ def se_map(ch: Channel, Q: np.ndarray, alpha: float, *, diagnostics: bool = Fals
     if finer is not None:  # a fixed rule: its error per sample against the rule with twice the nodes
         from ..denoise.output import difference
 
-        fine, _, _ = Channel(ch.model, finer, ch.points, passes=ch.passes).denoise(Q)
+        fine, _, _ = replace(ch, den=finer, on_pass=None).denoise(Q)
         err = difference(out.g_out, out.dg_out, fine.g_out, fine.dg_out, out.log_z_out, fine.log_z_out)
         summary.update(quadrature_error_max=float(np.max(err)), quadrature_error_median=float(np.median(err)),
                        quadrature_note="fixed rule: its error estimated against twice its nodes (at the fixed point)")
@@ -683,20 +687,33 @@ def newton_polish(ch: Channel, Q: np.ndarray, alpha: float, Lam: np.ndarray, mas
     for _ in range(steps + 1):
         if not resp.free:
             return Q, resp, 0.0
-        try:
-            dq = np.linalg.solve(np.eye(len(resp.free)) - resp.J, resp.F0 - resp.vec(Q))
-        except np.linalg.LinAlgError:
+        dq = _newton_delta(resp, Q)
+        if dq is None:
             return Q, resp, float("inf")
         s = np.sqrt(error_scale(Q))
         dist = float(np.max(np.abs(dq) / np.array([s[i] * s[j] for i, j in resp.free])))
         if dist < tol or not resp.stable or _ == steps:
             break
         Q_new = clip_overlap(Q + resp.unvec(dq, p)) * mask
-        if np.any(np.abs(np.diag(Q_new) - np.diag(Q)) > 0.5 * error_scale(Q)):
+        if not _local(Q, Q_new):
             break  # not a local correction: leave it to the iteration
         Q = Q_new
         resp = map_response(ch, Q, alpha, Lam, mask)
     return Q, resp, dist
+
+
+def _newton_delta(resp: Response, Q: np.ndarray) -> np.ndarray | None:
+    """(I - J)^{-1} (F(Q) - Q) over the free entries of ``resp`` (the map's response at Q), or
+    None where I - J is singular."""
+    try:
+        return np.linalg.solve(np.eye(len(resp.free)) - resp.J, resp.F0 - resp.vec(Q))
+    except np.linalg.LinAlgError:
+        return None
+
+
+def _local(Q: np.ndarray, Q_new: np.ndarray) -> bool:
+    """A local correction: every diagonal entry moves by at most LOCAL_STEP of its error scale."""
+    return bool(np.all(np.abs(np.diag(Q_new) - np.diag(Q)) <= LOCAL_STEP * error_scale(Q)))
 
 
 def fixed_point_stderr(resp: Response, Q_r: np.ndarray):
@@ -772,7 +789,7 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
     ``progress``: a progress display of the denoiser passes (points denoised) on stderr.
     ``checkpoint``: a folder (or :class:`~aimsym.smi.passes.Passes`) keeping every denoiser pass;
     the same call again replays the passes made and continues (a stopped run resumes). The
-    caller removes them (``Passes.clear``) once the result is safe.
+    caller removes them (:func:`aimsym.smi.passes.clear`) once the result is safe.
     """
     alpha = float(alpha)
     if not (np.isfinite(alpha) and alpha >= 0):
@@ -791,13 +808,13 @@ def state_evolution(model, alpha: float, *, init="uninformed", side_info: float 
     p = model.p
     ch = channel or make_channel(model, samples=samples, replicas=replicas, seed=seed, nodes=nodes)
     if checkpoint is not None:
-        ch = Channel(ch.model, ch.den, ch.points, on_pass=ch.on_pass, passes=as_passes(checkpoint))
+        ch = replace(ch, passes=as_passes(checkpoint))
     bar = None
     if progress and ch.on_pass is None:
         from tqdm.auto import tqdm
 
         bar = tqdm(desc=f"SE alpha={alpha:g}", unit="pt", unit_scale=True, leave=False)
-        ch = Channel(ch.model, ch.den, ch.points, on_pass=bar.update, passes=ch.passes)
+        ch = replace(ch, on_pass=bar.update)
     try:
         res = _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, damping, tol, max_iter,
                                errors, init_eps, coarse, anderson, stop, t0, seed)
@@ -987,7 +1004,7 @@ def _local_ahead(Q_old, Q_new, h) -> bool:
     after its maps are paid."""
     r = min(h[-1] / h[-2], 0.999)
     ahead = np.abs(np.diag(Q_new) - np.diag(Q_old)) * r / (1.0 - r)
-    return bool(np.all(ahead <= 0.5 * error_scale(Q_new)))
+    return bool(np.all(ahead <= LOCAL_STEP * error_scale(Q_new)))
 
 
 def _newton_jump(ch, Q, alpha, Lam, mask):
@@ -1001,16 +1018,10 @@ def _newton_jump(ch, Q, alpha, Lam, mask):
     if n == 0 or n * (n + 1) // 2 > NEWTON_MAX_FREE:
         return None
     resp = map_response(ch, Q, alpha, Lam, mask, free_mask=mask * np.outer(learned, learned))
-    if not resp.free or not resp.stable:
-        return None
-    try:
-        dq = np.linalg.solve(np.eye(len(resp.free)) - resp.J, resp.F0 - resp.vec(Q))
-    except np.linalg.LinAlgError:
+    if not resp.free or not resp.stable or (dq := _newton_delta(resp, Q)) is None:
         return None
     Q_new = clip_overlap(Q + resp.unvec(dq, Q.shape[0])) * mask  # (entries off the learned block stay)
-    if np.any(np.abs(np.diag(Q_new) - d) > 0.5 * error_scale(Q)):
-        return None
-    return Q_new
+    return Q_new if _local(Q, Q_new) else None
 
 
 def _reseed(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson, eps, converged, rounds=2):
