@@ -200,7 +200,8 @@ def test_k3_and_k4_defaults_are_certified(name):
     assert den.rule == "modal" and den.tol == 1e-8
     assert se.denoiser_accuracy(m, samples=1 << 16) == {"rule": "modal", "tol": pytest.approx(se.SE_STAT_SHARE / 256),
                                                        "max_regions": se.SE_CERTIFIED_REGIONS,
-                                                       "max_combinations": se.SE_CERTIFIED_COMBINATIONS}
+                                                       "max_combinations": se.SE_CERTIFIED_COMBINATIONS,
+                                                       "mean_tol": pytest.approx(se.SE_STAT_SHARE / 256)}
     assert se.denoiser_accuracy(m, samples=1024)["tol"] == se.SE_TOL_MAX
     assert se.denoiser_accuracy(m, nodes=6).get("nodes") == 6
     assert m.denoiser(nodes=6).rule == "auto"
@@ -355,3 +356,64 @@ def test_a_level_difference_that_did_not_shrink_is_not_taken_alone(monkeypatch):
     # differences 1e-3, 1e-4, 2e-4 (grew): 3e-4;  1e-3, 2e-4, 1e-4 (shrank): 1e-4
     assert run_with({0: 0.0, 1: 1e-3, 2: 1.1e-3, 3: 1.3e-3}) == pytest.approx(3e-4)
     assert run_with({0: 0.0, 1: 1e-3, 2: 1.2e-3, 3: 1.3e-3}) == pytest.approx(1e-4)
+
+
+def test_batch_budget_continues_the_largest_estimates_until_the_excess_is_covered():
+    est = np.array([1e-4, 5e-3, 2e-2, 3e-4, 8e-3, np.inf])
+    active = np.array([1, 2, 4])
+    # sum 3.34e-2, excess 2.34e-2: the two largest (gains 0.75 x 2e-2, 0.75 x 8e-3) cover 2.1e-2 only,
+    # the third is needed too
+    est[5] = 0.0
+    assert chamber._within_budget(est, active, 1e-2).tolist() == [True, True, True]
+    assert chamber._within_budget(est, active, 2e-2).tolist() == [False, True, False]  # 2e-2 alone covers 1.34e-2
+    assert not chamber._within_budget(est, active, 4e-2).any()  # within the budget: nobody goes on
+    est[5] = np.inf  # a sample without an estimate: the budget cannot be judged met
+    assert chamber._within_budget(est, active, 1.0).all()
+
+
+def test_mean_tol_stops_the_far_tail_samples_once_the_batch_mean_is_met():
+    """SE points with the last layer nearly known (the three-layer SE past alpha = 0.8): with
+    mean_tol = tol the costly samples stop above tol once the batch's mean estimate meets it; the
+    others are the same bits as without it; each stopped sample keeps an estimate that covers its
+    distance to the fully refined value; the warning says why."""
+    m = load("attention_L3_T2")
+    rng = np.random.default_rng(1)
+    n, p, T = 32, m.p, m.tokens
+    Q = np.diag([0.0, 0.0, 0.98])
+    V = np.eye(p) - Q
+    om = np.sqrt(Q) @ rng.standard_normal((n, p, T))
+    obs = np.array([m.observation(z) for z in om + np.sqrt(V) @ rng.standard_normal((n, p, T))])
+    acc = se.denoiser_accuracy(m, samples=512)
+    assert acc["mean_tol"] == acc["tol"] == 1e-3
+    with pytest.warns(RuntimeWarning, match="met mean_tol"):
+        a = m.denoiser(**acc)(None, om, V, obs=obs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        b = m.denoiser(**{k: v for k, v in acc.items() if k != "mean_tol"})(None, om, V, obs=obs)
+    ea, eb = np.asarray(a.error), np.asarray(b.error)
+    stopped = ea > 1e-3
+    assert stopped.any() and np.all(eb <= 1e-3)  # (not vacuous: some samples were stopped)
+    assert ea.mean() <= 1e-3 and np.sum(a.ess) < 0.8 * np.sum(b.ess)
+    d = difference(a.g_out, a.dg_out, b.g_out, b.dg_out, a.log_z_out, b.log_z_out)
+    assert np.all(d[~stopped] == 0.0)
+    assert np.all(d[stopped] <= ea[stopped] + eb[stopped])
+
+
+def test_mean_tol_is_checked():
+    with pytest.raises(aimsym.errors.ChannelError, match="mean_tol"):
+        load("attention_L3_T2").denoiser(rule="modal", tol=1e-3, mean_tol=2.0)
+
+
+def test_se_quadrature_summary_reports_the_batch_mean():
+    class Out:
+        error = np.array([2e-4, 3e-4, 4e-3, 1e-4])
+
+    class Den:
+        tol, mean_tol = 1e-3, 2e-3
+
+    s = se.quadrature_summary(Out(), Den())
+    assert s["quadrature_missed"] == 1 and s["quadrature_error_mean"] == pytest.approx(1.15e-3)
+    assert s["quadrature_mean_tol"] == 2e-3
+    assert "mean estimate met mean_tol = 0.002" in s["quadrature_note"]
+    Den.mean_tol = 1e-3  # the mean is above it: the samples above tol are not explained by it
+    assert "mean_tol" not in se.quadrature_summary(Out(), Den())["quadrature_note"]

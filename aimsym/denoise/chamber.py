@@ -57,6 +57,10 @@ MAX_TABLE_BYTES = 2**29
 BROAD = 2.0
 # budget: node combinations (the product over blocks) per sample and level
 MAX_COMBINATIONS = 20_000_000
+# under a batch error budget (``run(sum_budget=)``): the factor by which a sample's estimate is
+# expected to fall per level when choosing which samples go on (the slow far-tail samples fall
+# 3-6x per level, typical ones 10-30x)
+BUDGET_GAIN = 4.0
 
 
 @lru_cache(maxsize=8)
@@ -242,9 +246,11 @@ def final_scale(dg: np.ndarray, res: np.ndarray | None) -> np.ndarray:
 
 
 def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_level: int | None = None,
-        idx: np.ndarray | None = None):
+        idx: np.ndarray | None = None, sum_budget: float | None = None):
     """Levels of the chamber rule (or, for an untied first layer, the untied rule) until the
-    estimate meets tol, for the samples idx (default all).
+    estimate meets tol, for the samples idx (default all). ``sum_budget``: the levels also stop
+    once the estimates of the samples idx sum to at most this (a caller controlling the mean
+    error of a batch, e.g. the state evolution's average over its points).
 
     Returns (done, g_out, dg_out, log Z_out, estimate, evaluations, status) for idx; ``done``
     marks the samples whose estimate is <= tol (the others keep the finest level reached). dg_out
@@ -307,6 +313,8 @@ def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_l
             ok = (st == 0) & (e <= tol) & np.isfinite(gl).all(axis=(1, 2)) & np.isfinite(dgl).all(axis=(1, 2, 3, 4))
             done[active[ok]] = True
             keep = ~ok & (st == 0)
+            if sum_budget is not None:  # of those, the ones the batch's budget still needs
+                keep &= _within_budget(est, active, sum_budget)
             status[active[~ok & (st != 0)]] = st[~ok & (st != 0)]
             active = active[keep]
             prev = (gl[keep], dgl[keep], ex[keep, 0])
@@ -315,6 +323,23 @@ def run(K, obs, omega, V, params, *, tol: float, start: int | None = None, max_l
             active = active[keep]
             prev = (gl[keep], dgl[keep], ex[keep, 0])
     return done, g, dg, lz, est, evals, status
+
+
+def _within_budget(est: np.ndarray, active: np.ndarray, budget: float) -> np.ndarray:
+    """Which samples of this level (``active``) the batch's budget needs at the next level, where
+    the estimates of all samples (``est``) may sum to ``budget``: the largest ones, until their
+    expected gain (each estimate falling by ``BUDGET_GAIN`` per level) covers the excess; none
+    once the sum is within it."""
+    excess = float(np.sum(est)) - budget
+    go = np.zeros(active.size, bool)
+    if not excess > 0:
+        return go
+    e = est[active]
+    order = np.argsort(-e)
+    gain = np.cumsum(e[order] * (1.0 - 1.0 / BUDGET_GAIN))
+    need = int(np.searchsorted(gain, excess)) + 1
+    go[order[:need]] = True
+    return go
 
 
 # ----------------------------------------------------------------------------- untied first layer

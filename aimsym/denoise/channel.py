@@ -115,11 +115,11 @@ _STATUS = {
 }
 
 
-def _check_tol(tol):
+def _check_tol(tol, name: str = "tol"):
     if tol is None:
         return None
     if isinstance(tol, bool) or not (isinstance(tol, float | int) and 0 < tol < 1):
-        raise ChannelError("tol", f"must be a number in (0, 1) or None, got {tol!r}")
+        raise ChannelError(name, f"must be a number in (0, 1) or None, got {tol!r}")
     return float(tol)
 
 
@@ -193,7 +193,8 @@ class Denoiser:
     def __init__(self, model, *, nodes: int | None = None, adapt: int | None = None, inflate: float = 1.0,
                  polar: tuple[int, int] | None | str = "auto", check_tol: float = GH_CHECK_TOL,
                  tol: float | None | str = "auto", polar_map: str = DEFAULT_POLAR_MAP, rule: str = "auto",
-                 max_regions: int | None = None, max_combinations: int | None = None):
+                 max_regions: int | None = None, max_combinations: int | None = None,
+                 mean_tol: float | None = None):
         # an explicit Gauss-Hermite size is a request for that rule (e.g. the solvers' fast
         # low-accuracy settings); the polar rule is the default only when neither is given
         defaults = nodes is None and isinstance(polar, str)
@@ -211,6 +212,9 @@ class Denoiser:
         # level (its finest level within the budget)
         self.max_regions = _budget("max_regions", max_regions, MAX_REGIONS)
         self.max_combinations = _budget("max_combinations", max_combinations, MAX_COMBINATIONS)
+        # rule="modal": a target for the mean estimate of a call's batch (refinement of the samples
+        # still above tol ends once it holds; the state evolution's error is a mean over its points)
+        self.mean_tol = _check_tol(mean_tol, "mean_tol")
         if isinstance(polar, str):
             if polar != "auto":
                 raise ChannelError("polar", f"must be (angle nodes, radial nodes), None or 'auto'; got {polar!r}")
@@ -285,6 +289,7 @@ class Denoiser:
                 "max_refine": MAX_REFINE, "rule": self.rule,
                 "max_regions": self.max_regions if self.rule == "modal" else None,
                 "max_combinations": self.max_combinations if self.rule == "modal" else None,
+                "mean_tol": self.mean_tol if self.rule == "modal" else None,
                 # the polar domain is sized on the posterior of u (``_sized_run``)
                 "polar_domain": ({"edge_tol": EDGE_TOL, "growth": DOMAIN_GROWTH, "max_growth": MAX_DOMAIN_GROWTH,
                                   "fits": DOMAIN_FITS, "posterior_off_sd": POSTERIOR_OFF} if self.polar else None)}
@@ -433,12 +438,14 @@ class Denoiser:
         p, T = self._pT
         g, dg, lz, err, evals, hit, status = modal.run(self.kernels, obs, omega, V, self.params, tol=tol,
                                                        max_regions=self.max_regions,
-                                                       max_combinations=self.max_combinations)
+                                                       max_combinations=self.max_combinations, mean_tol=self.mean_tol)
         self._raise(status)
         if np.any(~(err <= tol)):
+            why = (f"the batch's mean estimate {np.mean(err):.1e} met mean_tol={self.mean_tol:g}"
+                   if self.mean_tol is not None and np.mean(err) <= self.mean_tol else
+                   f"{int(np.sum(hit))} stopped at the budget of max_regions={self.max_regions}")
             warnings.warn(f"denoiser: {int(np.sum(~(err <= tol)))} of {len(err)} samples did not reach tol={tol:g} "
-                          f"(largest estimated error {np.nanmax(err):.1e}; {int(np.sum(hit))} stopped at the budget of "
-                          f"max_regions={self.max_regions})", RuntimeWarning, stacklevel=3)
+                          f"(largest estimated error {np.nanmax(err):.1e}; {why})", RuntimeWarning, stacklevel=3)
         return DenoiserOutput(g_out=g.reshape(*batch, p, T), dg_out=dg.reshape(*batch, p, T, p, T),
                               log_z_out=lz.reshape(batch), ess=evals.reshape(batch), error=err.reshape(batch),
                               path=self.path)

@@ -163,11 +163,14 @@ def genz_malik(D: int):
 
 
 def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_REGIONS,
-        max_combinations: int | None = None):
+        max_combinations: int | None = None, mean_tol: float | None = None):
     """Error-controlled integration of a flattened batch (V leading size 1 or n): the chamber
     rule (``aimsym.denoise.chamber``, where the model has attention blocks) first for samples
     whose prior is broad next to the attention's switching layers, the fast path on the Laplace
     mixture first for the others; then the other of the two, then the adaptive cubature.
+    ``mean_tol``: refinement also ends once the batch's mean estimate is at most this (a caller
+    that needs the mean error of the batch, as the state evolution does, leaves the costly
+    far-tail samples at a coarser level; each keeps its own honest estimate).
     Returns g_out, dg_out, log Z_out, error estimate, function evaluations, budget-hit flags
     and a STATUS array."""
     K = load(kernels)
@@ -184,11 +187,24 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
     tried = np.zeros(n, bool)
     others = []  # every stage's result (idx, g, dg, log Z, estimate): cross-checked at the end
 
+    def spare(idx):
+        """What the samples idx may sum to under mean_tol, given the others' estimates (None: no
+        batch target; -inf while another sample has none yet)."""
+        if mean_tol is None:
+            return None
+        others = np.ones(n, bool)
+        others[idx] = False
+        return mean_tol * n - float(np.sum(extra[others, 2]))
+
+    def settled():
+        return mean_tol is not None and bool(np.mean(extra[:, 2]) <= mean_tol)
+
     def chamber_stage(idx):
         if not use_chamber or idx.size == 0:
             return
         ok, cg, cdg, clz, cest, cev, cst = chamber.run(K, obs, omega, V, params, tol=tol, idx=idx,
-                                                       max_level=chamber.max_level(K, max_combinations))
+                                                       max_level=chamber.max_level(K, max_combinations),
+                                                       sum_budget=spare(idx))
         tried[idx] = True
         others.append((idx[cst == 0], cg[cst == 0], cdg[cst == 0], clz[cst == 0], cest[cst == 0]))
         better = (cst == 0) & (cest < extra[idx, 2])
@@ -200,7 +216,7 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
 
     if use_chamber:
         chamber_stage(np.flatnonzero(chamber.broad(K, omega, V, params)))
-    rest = np.flatnonzero(~done)
+    rest = np.flatnonzero(~done) if not settled() else np.zeros(0, np.int64)
     if rest.size:
         xs = tensor(D, SCREEN.get(D, 3))[0] * SCREEN_SPREAD
         fl = flips(K)
@@ -238,7 +254,7 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
         # the chamber rule for samples the fast path did not settle and it has not tried
         chamber_stage(rest[~fast & (st == 0) & ~tried[rest]])
         left = np.flatnonzero(~done[rest] & (st == 0))
-        if left.size:
+        if left.size and not settled():
             gp, w7, w5 = genz_malik(D)
             sub2 = (lambda a: a[left]) if Vr.shape[0] != 1 else (lambda a: a)
             g2, dg2 = np.empty((left.size, p, T)), np.empty((left.size, p, T, p, T))
