@@ -3,6 +3,7 @@
     python -m aimsym.bench.denoiser [--batch 100000] [--skip-nquad]
     python -m aimsym.bench.denoiser --modal-only [--modal-batch 1024] [--modal-check 8] [--modal-tol 1e-8]
     python -m aimsym.bench.denoiser --budget [--budget-model attention_L3_T2] [--budget-q 0.99] [--budget-n 16] [--budget-combos 6e6,4.1e7]
+    python -m aimsym.bench.denoiser --mean-tol [--budget-model attention_L3_T2] [--budget-n 64]
 
 Measures, in one run: CPU time per evaluation of (g_out, dg_out, log_z_out) single-threaded
 for the old (Legendre) and new (mapped) polar rules and Gauss-Hermite, in each SE regime, with
@@ -166,6 +167,44 @@ def bench_budget(name="attention_L3_T2", n=16, q=0.99,
               + f"; mean estimate {errs.mean():.1e}", flush=True)
 
 
+def bench_mean_tol(name="attention_L3_T2", n=64, qs=((0.0, 0.0, 0.98), (0.2, 0.2, 0.99)), seeds=(1, 2)):
+    """The SE's batch target (``mean_tol``, smi.se.denoiser_accuracy): one SE batch of n points per
+    (Q, seed), omega ~ N(0, Q), Z ~ N(omega, I - Q), with the SE's denoiser settings, with and
+    without mean_tol; CPU time (one thread), integrand evaluations, mean and largest estimate, and
+    the largest distance between the two results in units of their two estimates."""
+    from aimsym.denoise.output import difference
+    from aimsym.smi.se import denoiser_accuracy
+
+    m = load(ROOT / f"{name}.toml", skip=1.0)
+    p, T = m.p, m.tokens
+    numba.set_num_threads(1)
+    acc = denoiser_accuracy(m, samples=512)
+    print(f"{name} (skip 1), {n} SE points per batch, SE settings {acc}, one thread; {_load()}")
+    for q in qs:
+        for seed in seeds:
+            rng = np.random.default_rng(seed)
+            Q = np.diag(q)
+            V = np.eye(p) - Q
+            om = np.sqrt(Q) @ rng.standard_normal((n, p, T))
+            obs = np.array([m.observation(z) for z in om + np.sqrt(V) @ rng.standard_normal((n, p, T))])
+            outs, line = [], []
+            for label, a in (("with mean_tol", acc), ("per sample", {k: v for k, v in acc.items() if k != "mean_tol"})):
+                den = m.denoiser(**a)
+                den(None, om[:1], V, obs=obs[:1])  # compile / load
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    t, out = _timed(lambda den=den: den(None, om, V, obs=obs), repeat=1, clock=time.process_time)
+                e = np.asarray(out.error)
+                outs.append(out)
+                line.append(f"{label}: {t:.2f} s, {np.sum(out.ess):.2e} evaluations, mean estimate {e.mean():.1e}, "
+                            f"largest {e.max():.1e}, {int(np.sum(e > acc['tol']))} above tol")
+            a, b = outs
+            d = difference(a.g_out, a.dg_out, b.g_out, b.dg_out, a.log_z_out, b.log_z_out)
+            ratio = float(np.max(d / (np.asarray(a.error) + np.asarray(b.error))))
+            print(f"  Q = diag{tuple(q)}, seed {seed}: " + "; ".join(line)
+                  + f"; largest distance / (sum of the estimates) {ratio:.2f}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=100_000)
@@ -192,7 +231,12 @@ def main(argv=None):
     ap.add_argument("--budget-combos", default=None,
                     help="comma-separated node-combination budgets for --budget (2 000 regions each); "
                          "default: the four pairs of the table in docs/performance.md")
+    ap.add_argument("--mean-tol", action="store_true",
+                    help="only the SE's batch target mean_tol: SE batches with and without it (three layers)")
     args = ap.parse_args(argv)
+    if args.mean_tol:
+        bench_mean_tol(args.budget_model, args.budget_n if args.budget_n != 16 else 64)
+        return
     if args.budget:
         pairs = None if args.budget_combos is None else \
             tuple((2_000, int(float(c))) for c in args.budget_combos.split(","))
