@@ -224,6 +224,7 @@ def test_untied_se_tol_follows_the_statistical_error():
     assert small["tol"] == se.SE_MODAL_TOL
     assert large["tol"] == pytest.approx(se.SE_STAT_SHARE / 256)
     assert small["max_regions"] == large["max_regions"] == se.SE_MODAL_REGIONS
+    assert small["mean_tol"] == small["tol"] and large["mean_tol"] == large["tol"]  # (its error is a mean)
     den = m.denoiser(**se.denoiser_accuracy(m, samples=512))
     assert den.rule == "modal" and den.tol == pytest.approx(se.SE_STAT_SHARE / np.sqrt(512))
 

@@ -416,7 +416,7 @@ def denoiser_accuracy(model, nodes=None, polar=None, samples: int | None = None)
     if getattr(getattr(model, "kernels", None), "PATH", "") in MODAL_ONLY:
         # only the mode-centred rule carries a marginalised block: its tol follows the SE's Monte
         # Carlo error (a few % at hundreds of points), with a small adaptive budget
-        out = {"tol": modal_only_tol(samples), "max_regions": SE_MODAL_REGIONS}
+        out = {"tol": modal_only_tol(samples), "max_regions": SE_MODAL_REGIONS, "mean_tol": modal_only_tol(samples)}
     elif 0 < dim <= MAX_CONTROLLED_DIM and getattr(model.kernels, "PATH", "") not in (
             "noisy", "halfspace", "hardmax-wedge", "hardmax-wedge-mixed"):
         out["tol"] = SE_TOL
