@@ -192,12 +192,12 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
         batch target; -inf while another sample has none yet)."""
         if mean_tol is None:
             return None
-        others = np.ones(n, bool)
-        others[idx] = False
-        return mean_tol * n - float(np.sum(extra[others, 2]))
+        outside = np.ones(n, bool)
+        outside[idx] = False
+        return mean_tol * n - float(np.sum(extra[outside, 2]))
 
     def settled():
-        return mean_tol is not None and bool(np.mean(extra[:, 2]) <= mean_tol)
+        return mean_tol is not None and n > 0 and bool(np.mean(extra[:, 2]) <= mean_tol)
 
     def chamber_stage(idx):
         if not use_chamber or idx.size == 0:
