@@ -227,7 +227,7 @@ def main(argv=None):
                     help="only the SE's budgets: a model at Q = diag(0, .., 0, q), tol 1e-3, per sample")
     ap.add_argument("--budget-model", default="attention_L3_T2", help="derivation for --budget")
     ap.add_argument("--budget-q", type=float, default=0.99, help="the last layer's overlap for --budget")
-    ap.add_argument("--budget-n", type=int, default=16, help="SE points for --budget")
+    ap.add_argument("--budget-n", type=int, default=None, help="SE points for --budget (default 16) or --mean-tol (64)")
     ap.add_argument("--budget-combos", default=None,
                     help="comma-separated node-combination budgets for --budget (2 000 regions each); "
                          "default: the four pairs of the table in docs/performance.md")
@@ -235,12 +235,13 @@ def main(argv=None):
                     help="only the SE's batch target mean_tol: SE batches with and without it (three layers)")
     args = ap.parse_args(argv)
     if args.mean_tol:
-        bench_mean_tol(args.budget_model, args.budget_n if args.budget_n != 16 else 64)
+        bench_mean_tol(args.budget_model, args.budget_n or 64)
         return
     if args.budget:
         pairs = None if args.budget_combos is None else \
             tuple((2_000, int(float(c))) for c in args.budget_combos.split(","))
-        bench_budget(args.budget_model, args.budget_n, args.budget_q, **({} if pairs is None else {"budgets": pairs}))
+        bench_budget(args.budget_model, args.budget_n or 16, args.budget_q,
+                     **({} if pairs is None else {"budgets": pairs}))
         return
     if args.modal or args.modal_only:
         bench_modal(args)

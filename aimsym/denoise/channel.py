@@ -52,7 +52,7 @@ import warnings
 import numpy as np
 
 from ..errors import ChannelError
-from .output import DenoiserOutput, difference
+from .output import DenoiserOutput, difference, mean_target_met
 
 # default Gauss-Hermite points per dimension, by integral dimension (about 1e-9 relative
 # on the bundled models at moderate V, see docs/denoiser.md)
@@ -442,7 +442,7 @@ class Denoiser:
         self._raise(status)
         if np.any(~(err <= tol)):
             why = (f"the batch's mean estimate {np.mean(err):.1e} met mean_tol={self.mean_tol:g}"
-                   if self.mean_tol is not None and np.mean(err) <= self.mean_tol else
+                   if mean_target_met(err, self.mean_tol) else
                    f"{int(np.sum(hit))} stopped at the budget of max_regions={self.max_regions}")
             warnings.warn(f"denoiser: {int(np.sum(~(err <= tol)))} of {len(err)} samples did not reach tol={tol:g} "
                           f"(largest estimated error {np.nanmax(err):.1e}; {why})", RuntimeWarning, stacklevel=3)

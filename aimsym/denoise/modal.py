@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from . import chamber
-from .output import difference
+from .output import difference, mean_target_met
 
 TEMPLATE = Path(__file__).with_name("modal_template.py")
 # the chamber rule's driver (aimsym.denoise.chamber), appended with this one
@@ -197,7 +197,7 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
         return mean_tol * n - float(np.sum(extra[outside, 2]))
 
     def settled():
-        return mean_tol is not None and n > 0 and bool(np.mean(extra[:, 2]) <= mean_tol)
+        return mean_target_met(extra[:, 2], mean_tol)
 
     def chamber_stage(idx):
         if not use_chamber or idx.size == 0:

@@ -26,3 +26,8 @@ def difference(g, dg, g2, dg2, lz, lz2) -> np.ndarray:
     ds = np.maximum(1.0, np.abs(dg).reshape(n, -1).max(axis=1))
     return np.maximum.reduce([np.abs(g - g2).reshape(n, -1).max(axis=1) / gs,
                               np.abs(dg - dg2).reshape(n, -1).max(axis=1) / ds, np.abs(lz - lz2)])
+
+
+def mean_target_met(err, mean_tol) -> bool:
+    """Whether a batch's mean error estimate meets a batch target (``mean_tol``, None: no target)."""
+    return mean_tol is not None and err is not None and np.size(err) > 0 and bool(np.mean(err) <= mean_tol)

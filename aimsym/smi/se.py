@@ -34,6 +34,7 @@ from scipy.stats import norm, qmc
 
 from ..denoise.chamber import certified_default
 from ..denoise.channel import MODAL_ONLY
+from ..denoise.output import mean_target_met
 from ..errors import AimsymError, ConvergenceWarning
 from ..provenance import provenance
 from .passes import Passes, as_passes, channel_key
@@ -355,7 +356,7 @@ def _rewarn(caught, out, tol, mean_tol=None) -> None:
     err = getattr(out, "error", None)
     if tol is not None and err is not None:
         missed = int(np.sum(~(np.asarray(err) <= tol)))
-        if missed and not (mean_tol is not None and np.mean(err) <= mean_tol):
+        if missed and not mean_target_met(err, mean_tol):
             warnings.warn(f"denoiser: {missed} of {np.size(err)} samples did not reach tol={tol:g} even with "
                           f"the mode-centred rule (largest estimated error {np.nanmax(err):.1e})",
                           RuntimeWarning, stacklevel=3)
@@ -500,7 +501,7 @@ def quadrature_summary(out, den) -> dict:
     missed = int(np.sum(err > tol)) if tol else None
     mean_tol = getattr(den, "mean_tol", None)
     note = f"{missed} of {err.size} samples above tol" if missed else "every sample within tol"
-    if missed and mean_tol is not None and np.mean(err) <= mean_tol:
+    if missed and mean_target_met(err, mean_tol):
         note += f" (refinement stopped once the mean estimate met mean_tol = {mean_tol:g})"
     return {"quadrature_error_max": float(np.max(err)), "quadrature_error_median": float(np.median(err)),
             "quadrature_error_mean": float(np.mean(err)), "quadrature_tol": tol, "quadrature_mean_tol": mean_tol,
