@@ -42,6 +42,18 @@ def test_sweep_runs_resumes_and_exports(tmp_path):
         assert len(list(csv.DictReader(fh))) == 6
 
 
+def test_serial_sweep_shows_each_points_denoiser_passes(tmp_path, capsys):
+    """A serial sweep with progress shows, besides the points, the passes of the point in progress
+    (a three-layer point takes tens of minutes); without progress nothing is drawn."""
+    sweep.run_sweep(GC, [0.5], params={"Delta": [0.3]}, store=tmp_path / "s.sqlite", samples=256, workers=1,
+                    progress=True)
+    err = capsys.readouterr().err
+    assert "SE points" in err and "SE alpha=0.5" in err
+    sweep.run_sweep(GC, [1.0], params={"Delta": [0.3]}, store=tmp_path / "t.sqlite", samples=256, workers=1,
+                    progress=False)
+    assert "SE alpha" not in capsys.readouterr().err
+
+
 def test_killed_sweep_resumes_without_loss_or_duplicates(tmp_path):
     store = tmp_path / "k.sqlite"
     alphas = ",".join(str(0.2 + 0.1 * i) for i in range(40))

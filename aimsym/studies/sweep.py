@@ -164,10 +164,12 @@ def _point_passes(root, key: str) -> Path:
     return Path(root) / hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
-def run_point(text: str, name: str, params: dict, alpha: float, init: str, opts: dict, prev, passes=None):
+def run_point(text: str, name: str, params: dict, alpha: float, init: str, opts: dict, prev, passes=None,
+              progress: bool = False):
     """Compute one point of a chain (on a worker): warm start from ``prev`` (the previous point's
-    Q, or None); ``passes``: the folder of the sweep's kept denoiser passes (None: none kept).
-    Returns the row the client stores; nothing is written to the store here."""
+    Q, or None); ``passes``: the folder of the sweep's kept denoiser passes (None: none kept);
+    ``progress``: a display of the point's denoiser passes (the serial sweep: a three-layer point
+    takes tens of minutes). Returns the row the client stores; nothing is written to the store here."""
     from ..smi.se import state_evolution
 
     pj, oj = json.dumps(params, sort_keys=True), json.dumps(opts, sort_keys=True)
@@ -178,7 +180,7 @@ def run_point(text: str, name: str, params: dict, alpha: float, init: str, opts:
     with warnings.catch_warnings():  # (the client counts the points that did not converge)
         warnings.simplefilter("ignore", ConvergenceWarning)
         res = state_evolution(model, alpha, init=start, channel=ch, seed=opts["seed"], tol=opts["tol"],
-                              checkpoint=None if passes is None else _point_passes(passes, key))
+                              checkpoint=None if passes is None else _point_passes(passes, key), progress=progress)
     rec = res.to_dict()
     rec["init"] = init
     rec["params"] = params
@@ -323,7 +325,7 @@ def _run_serial(chains, text, name, opts, store, bar) -> int:
     for c in chains:
         while (nxt := c.next_point()) is not None:
             _store_result(store, c, run_point(text, name, c.params, nxt[0], c.init, opts, nxt[1],
-                                              str(passes_folder(store))))
+                                              str(passes_folder(store)), progress=not bar.disable))
             n += 1
             bar.update()
     return n
