@@ -205,3 +205,36 @@ def test_staircase_stops_after_max_steps(monkeypatch):
     assert [s.subspace for s in th.staircase(model, 0.2, [2], samples=1024)] == [[0], [1]]
     one = th.staircase(model, 0.2, [2], samples=1024, max_steps=1)
     assert [s.subspace for s in one] == [[0]] and one[0].alpha == pytest.approx(0.3)
+
+
+def test_restricted_se_root_stops_at_a_tenth_of_its_statistical_error(monkeypatch):
+    """next_threshold's brentq stops at a tenth of the root's statistical error (rho's replica
+    error over the slope of f = alpha rho - 1), not at 1e-4: each evaluation is a restricted SE
+    run. With rho = 1 - 0.2 (1 - a) (root alpha = 1, f' = 1.2) and rho_stderr 0.02, the root's
+    statistical error is ~0.017: the root lands within 2e-3 of 1 in fewer SE runs than with
+    rho_stderr = 0 (xtol 1e-4)."""
+    from types import SimpleNamespace
+
+    def run(rho_stderr):
+        calls = []
+
+        def fake_se(model, alpha, **kw):
+            calls.append(alpha)
+            return SimpleNamespace(Q=np.diag([0.0, alpha / (1.0 + alpha)]))
+
+        def fake_operator(ch, Q, block, denoised=None, weights=None):
+            a = Q[1, 1] / (1.0 - Q[1, 1])
+            r = 1.0 - 0.2 * (1.0 - a) + 0.01 * np.sin(40 * a)  # (a wiggle: brentq cannot finish in one secant step)
+            return th.Operator(F=np.array([[r]]), F_stderr=np.zeros((1, 1)), rho=r, rho_stderr=rho_stderr,
+                               rho_loo=np.full(R, r), direction=np.ones((1, 1)), block=list(block),
+                               invariant_block=[0], rho_quadrature=None)
+
+        monkeypatch.setattr(th, "state_evolution", fake_se)
+        monkeypatch.setattr(th, "operator", fake_operator)
+        return th.next_threshold(Tiny(), [1], 0.5, ch_op=None, ch_se=None), len(set(calls))
+
+    fine, n_fine = run(0.0)
+    coarse, n_coarse = run(0.02)
+    assert coarse["stderr"] > 0.01
+    assert abs(coarse["alpha"] - fine["alpha"]) <= 0.1 * coarse["stderr"]
+    assert n_coarse < n_fine, (n_coarse, n_fine)

@@ -388,6 +388,16 @@ def _as_threshold(op: Operator, alpha_factor: float) -> Threshold:
 RESTRICTED_SE_TOL = 1e-3
 
 
+def _root_xtol(e_lo: dict, e_hi: dict, lo: float, hi: float, xtol: float) -> float:
+    """brentq's tolerance for the root of f = alpha rho - 1 on [lo, hi]: a tenth of the root's
+    statistical error (f's replica error over the bracket's slope), at least ``xtol``. Each
+    evaluation is a restricted SE run (for three layers, minutes to an hour), and a finer root
+    would only resolve replica noise."""
+    slope = (e_hi["f"] - e_lo["f"]) / (hi - lo)
+    f_err = max(lo * e_lo["op"].rho_stderr, hi * e_hi["op"].rho_stderr)
+    return max(xtol, 0.1 * f_err / slope) if slope > 0 and np.isfinite(f_err) else xtol
+
+
 def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se: Channel,
                    alpha_max: float = 20.0, xtol: float = 1e-4) -> Threshold:
     """Smallest alpha > alpha_start with alpha * rho(F_P(Q*_U(alpha))) = 1, U = learned, P = rest.
@@ -435,7 +445,8 @@ def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se:
         if evaluate(a_next)["f"] >= 0:
             lo, hi = a, a_next
         a = a_next
-    root = lo if hi == lo else brentq(lambda x: evaluate(x)["f"], lo, hi, xtol=xtol)
+    root = lo if hi == lo else brentq(lambda x: evaluate(x)["f"], lo, hi, xtol=_root_xtol(evaluate(lo), evaluate(hi),
+                                                                                         lo, hi, xtol))
     ev = evaluate(root)
     # stderr: QMC error of rho propagated through the slope of alpha * rho(alpha)
     a2 = root * 1.01
