@@ -109,8 +109,11 @@ def se_overlaps(work: Path, model: str, *, title: str, alphas, samples: int, tol
               "pr_samples": pr_samples}
     th = _resume_json(work / "thresholds.json", th_key)
     if th is None:
+        # (its passes are per code version and too large for git; the staircase's finished restricted
+        # SE points, small, are kept in the state folder for any later job: threshold_points)
         rep = threshold_report(m, samples=th_samples, se_samples=th_se_samples, nodes=nodes, seed=seed,
-                               pr_samples=pr_samples, pr_algorithmic=False, checkpoint=work / "threshold_passes")
+                               pr_samples=pr_samples, pr_algorithmic=False, checkpoint=work / "threshold_passes",
+                               kept=work / "threshold_points")
         th = json.loads(json.dumps(rep, default=to_builtin))
         (work / "thresholds.json").write_text(json.dumps({"key": th_key, "value": th}))
         if not rep.failed:
@@ -471,7 +474,7 @@ def _out_folder(out, name: str) -> Path:
 # thresholds, the denoiser passes of the SE runs in progress): a rerun with the same --out reuses
 # what matches its settings and model hash. The figure's code works in that folder itself, so a
 # run killed outright (cluster wall time, SIGKILL) keeps every point it stored and every pass.
-STATE_FILES = ("sweep.sqlite", "sweep.sqlite.passes", "thresholds.json", "threshold_passes")
+STATE_FILES = ("sweep.sqlite", "sweep.sqlite.passes", "thresholds.json", "threshold_passes", "threshold_points")
 
 
 def _tidy_state(state: Path, before: set) -> None:

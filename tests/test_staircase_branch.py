@@ -238,3 +238,54 @@ def test_restricted_se_root_stops_at_a_tenth_of_its_statistical_error(monkeypatc
     assert coarse["stderr"] > 0.01
     assert abs(coarse["alpha"] - fine["alpha"]) <= 0.1 * coarse["stderr"]
     assert n_coarse < n_fine, (n_coarse, n_fine)
+
+
+def test_restricted_se_step_keeps_its_finished_points_and_resumes(monkeypatch, tmp_path):
+    """next_threshold(kept=folder): each finished alpha (restricted SE fixed point and operator) is
+    kept as JSON; a run stopped after two SE runs is resumed by the same call, which runs only the
+    missing ones and returns exactly the uninterrupted result; a third call runs none. Another
+    channel (other points) does not reuse them."""
+    from types import SimpleNamespace
+
+    calls, fail_after = [], [None]
+
+    def fake_se(model, alpha, **kw):
+        if fail_after[0] is not None and len(calls) >= fail_after[0]:
+            raise KeyboardInterrupt  # (a job stopped mid-step)
+        calls.append(alpha)
+        return SimpleNamespace(Q=np.diag([0.0, alpha / (1.0 + alpha)]))
+
+    def fake_operator(ch, Q, block, denoised=None, weights=None):
+        a = Q[1, 1] / (1.0 - Q[1, 1])
+        r = 1.0 - 0.2 * (1.0 - a) + 0.01 * np.sin(40 * a)
+        return th.Operator(F=np.array([[r]]), F_stderr=np.zeros((1, 1)), rho=r, rho_stderr=0.01,
+                           rho_loo=np.full(R, r), direction=np.ones((1, 1)), block=list(block),
+                           invariant_block=[0], rho_quadrature=1e-3)
+
+    monkeypatch.setattr(th, "state_evolution", fake_se)
+    monkeypatch.setattr(th, "operator", fake_operator)
+
+    def chan(seed):
+        return SimpleNamespace(model=SimpleNamespace(hash=lambda: "m", parameters={"c": 1.0}),
+                               den=SimpleNamespace(accuracy={"tol": 1e-3}),
+                               points=np.random.default_rng(seed).standard_normal((2, 4, 8)))
+
+    def run(folder, seed=0):
+        calls.clear()
+        return th.next_threshold(Tiny(), [1], 0.5, ch_op=chan(seed), ch_se=chan(seed + 10), kept=folder)
+
+    whole = run(None)
+    n_whole = len(calls)
+    fail_after[0] = 2
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path)
+    fail_after[0] = None
+    resumed = run(tmp_path)
+    assert len(calls) == n_whole - 2  # (the two finished SE runs were replayed)
+    assert resumed.to_json().keys() == whole.to_json().keys()
+    for k, v in whole.to_json().items():
+        assert np.array_equal(np.asarray(resumed[k]), np.asarray(v)), k
+    run(tmp_path)
+    assert calls == []
+    run(tmp_path, seed=1)
+    assert len(calls) == n_whole  # other points: nothing reused

@@ -126,3 +126,51 @@ def as_passes(checkpoint) -> Passes | None:
     if checkpoint is None or isinstance(checkpoint, Passes):
         return checkpoint
     return Passes(checkpoint)
+
+
+def points_id(ch) -> dict:
+    """What a channel's results depend on, without the code version: model (hash, parameters), the
+    denoiser's settings and a hash of the expectation points. (The key of :class:`Kept`: finished
+    results are data, like a sweep's stored points, and outlive a change of the code.)"""
+    den = ch.den
+    return {"model": ch.model.hash(), "parameters": {k: float(v) for k, v in dict(getattr(ch.model, "parameters",
+                                                                                         {})).items()},
+            "denoiser": type(den).__name__, "accuracy": getattr(den, "accuracy", None),
+            "points": hashlib.sha256(np.ascontiguousarray(ch.points, dtype=float).tobytes()).hexdigest()[:20]}
+
+
+class Kept:
+    """Finished results of one long computation (e.g. the restricted SE runs of a staircase step:
+    an hour each for three layers), one small JSON file per computation ``key`` in ``folder``, so
+    that a stopped run replays them and a later job (another checkout, another code version) goes
+    on from there. Values must be JSON (floats round-trip exactly)."""
+
+    def __init__(self, folder, key: dict):
+        self.folder = Path(folder)
+        self.key = json.loads(json.dumps(key, sort_keys=True, default=repr))
+        name = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:20]
+        self.path = self.folder / f"{name}.json"
+        self.items = {}
+        try:
+            rec = json.loads(self.path.read_text())
+            if rec.get("key") == self.key:
+                self.items = dict(rec["items"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, or damaged: computed again
+        self.hits = 0
+
+    def get(self, name: str):
+        out = self.items.get(name)
+        self.hits += out is not None
+        return out
+
+    def put(self, name: str, value) -> None:
+        self.items[name] = value
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": self.key, "items": self.items}))
+            os.replace(tmp, self.path)
+        except OSError as exc:  # (the run goes on: only the resumption is lost)
+            warnings.warn(f"cannot keep results in {self.folder} ({exc.strerror or exc})", RuntimeWarning,
+                          stacklevel=2)

@@ -27,6 +27,7 @@ rho is estimated without the upward bias of "top eigenvalue of a noisy F" (docs/
 from __future__ import annotations
 
 import itertools
+import json
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -36,8 +37,8 @@ from scipy.optimize import brentq
 
 from ..errors import AimsymError
 from ..provenance import provenance
-from ..results import Result
-from .passes import as_passes
+from ..results import Result, to_builtin
+from .passes import Kept, as_passes, points_id
 from .se import Channel, denoiser_accuracy, finer_rule, make_channel, state_evolution, sym
 
 
@@ -398,18 +399,34 @@ def _root_xtol(e_lo: dict, e_hi: dict, lo: float, hi: float, xtol: float) -> flo
     return max(xtol, 0.1 * f_err / slope) if slope > 0 and np.isfinite(f_err) else xtol
 
 
+def _operator_from_json(d: dict) -> Operator:
+    return Operator(F=np.asarray(d["F"], float), F_stderr=np.asarray(d["F_stderr"], float), rho=float(d["rho"]),
+                    rho_stderr=float(d["rho_stderr"]), rho_loo=np.asarray(d["rho_loo"], float),
+                    direction=np.asarray(d["direction"], float), block=list(d["block"]),
+                    invariant_block=list(d["invariant_block"]), rho_quadrature=d.get("rho_quadrature"))
+
+
 def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se: Channel,
-                   alpha_max: float = 20.0, xtol: float = 1e-4) -> Threshold:
+                   alpha_max: float = 20.0, xtol: float = 1e-4, kept=None) -> Threshold:
     """Smallest alpha > alpha_start with alpha * rho(F_P(Q*_U(alpha))) = 1, U = learned, P = rest.
 
     Q*_U(alpha) is the SE fixed point restricted to U (uninformed start, warm-started along alpha).
+    ``kept``: a folder keeping each finished alpha (restricted SE fixed point and operator: an
+    hour each for three layers) across runs and code versions (:class:`~aimsym.smi.passes.Kept`);
+    the same call again replays them in order and goes on from the first one missing.
     """
     p = model.p
     P = [i for i in range(p) if i not in learned]
     cache: dict[float, dict] = {}
+    store = None if kept is None else Kept(kept, {
+        "kind": "restricted SE step", "learned": [int(i) for i in learned], "alpha_start": float(alpha_start),
+        "se": points_id(ch_se), "op": points_id(ch_op), "se_tol": RESTRICTED_SE_TOL, "alpha_max": alpha_max})
 
     def evaluate(alpha):
         if alpha in cache:
+            return cache[alpha]
+        if store is not None and (rec := store.get(repr(float(alpha)))) is not None:
+            cache[alpha] = {"op": _operator_from_json(rec["op"]), "Q": np.asarray(rec["Q"], float), "f": rec["f"]}
             return cache[alpha]
         # warm start from the branch *below* alpha only (the uninformed branch continued upwards);
         # a start from a larger alpha could land on an informed branch (e.g. Q*_U -> I)
@@ -425,6 +442,8 @@ def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se:
                              tol=RESTRICTED_SE_TOL, init_eps=1e-3)
         op = operator(ch_op, se.Q, P)
         cache[alpha] = {"op": op, "Q": se.Q, "f": alpha * op.rho - 1.0}
+        if store is not None:
+            store.put(repr(float(alpha)), json.loads(json.dumps(cache[alpha], default=to_builtin)))
         return cache[alpha]
 
     # Bracket upwards in steps of 15 %. The point right after the previous threshold is evaluated
@@ -626,13 +645,15 @@ STAIR_REPLICAS = 32
 def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14, replicas: int = 8,
               se_samples: int = 2048, nodes=None, seed=0, parametric: bool = True,
               op_replicas: int = STAIR_REPLICAS, max_steps: int | None = None,
-              checkpoint=None) -> list[StaircaseStep]:
+              checkpoint=None, kept=None) -> list[StaircaseStep]:
     """Ordered list of the next thresholds after ``first`` is learned at alpha_c. A single learned
     index uses the parametric branch (:func:`next_threshold_branch`, operator points only) unless
     ``parametric`` is False; larger learned blocks iterate the restricted SE (``se_samples``,
     ``replicas``). The operator points have ``op_replicas`` replicas (fewer if ``samples`` is small).
     ``max_steps``: stop after that many steps (None: until every index is learned).
-    ``checkpoint``: a folder keeping the denoiser passes (a stopped run resumes; smi/passes.py)."""
+    ``checkpoint``: a folder keeping the denoiser passes (a stopped run resumes; smi/passes.py);
+    ``kept``: a folder keeping the restricted SE steps' finished points across runs and code
+    versions (:func:`next_threshold`)."""
     op_replicas = max(3, min(op_replicas, samples // 32))  # keep >= 32 points per replica
     ch_op = make_channel(model, samples=samples, replicas=op_replicas, seed=seed + 1, nodes=nodes,
                          checkpoint=checkpoint)
@@ -644,7 +665,7 @@ def staircase(model, alpha_c: float, first: list[int], *, samples: int = 1 << 14
         else:
             ch_se = ch_se or make_channel(model, samples=se_samples, replicas=replicas, seed=seed + 2, nodes=nodes,
                                           checkpoint=checkpoint)
-            th = next_threshold(model, learned, alpha, ch_op=ch_op, ch_se=ch_se)
+            th = next_threshold(model, learned, alpha, ch_op=ch_op, ch_se=ch_se, kept=kept)
         sub = th.subspace or [i for i in range(model.p) if i not in learned]
         steps.append(StaircaseStep(subspace=sub, alpha=th.alpha, stderr=th.stderr, jump=th.jump,
                                    method=th.method or "restricted SE", direction=th.direction, rho=th.rho,
@@ -722,12 +743,13 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
                      staircase_steps: bool = True, staircase: bool | None = None, se_samples: int = 2048,
                      check: bool = False, perfect: bool = True, pr_samples: int = 1024,
                      pr_algorithmic: bool = True, stair_steps: int | None = None,
-                     checkpoint=None) -> ThresholdReport:
+                     checkpoint=None, kept=None) -> ThresholdReport:
     """alpha_c, the staircase (its first ``stair_steps`` steps past alpha_c; None: all) and
     (``perfect``) the perfect-recovery transition (:func:`aimsym.smi.perfect.perfect_recovery` on
     ``pr_samples`` SE points; ``pr_algorithmic=False``: local stability only). ``checkpoint``: a
     folder keeping every denoiser pass, so that the same call again resumes where it stopped (the
-    caller clears it once the report is written)."""
+    caller clears it once the report is written); ``kept``: a folder keeping the staircase's
+    restricted SE points across runs and code versions (:func:`next_threshold`)."""
     if stair_steps is not None and (isinstance(stair_steps, bool) or not isinstance(stair_steps, int | np.integer)
                                     or stair_steps < 1):
         raise AimsymError("stair_steps", f"must be an integer >= 1 or None, got {stair_steps!r}")
@@ -744,7 +766,7 @@ def threshold_report(model, *, samples: int = 1 << 16, replicas: int = 8, nodes=
     if do_stairs and len(ini.subspace) < model.p and np.isfinite(ini.alpha):
         _stage(rep, "staircase", lambda: steps.extend(_staircase(
             model, ini.alpha, ini.subspace, samples=max(samples // 4, 1024), replicas=replicas,
-            se_samples=se_samples, nodes=nodes, seed=seed, max_steps=stair_steps, checkpoint=passes)))
+            se_samples=se_samples, nodes=nodes, seed=seed, max_steps=stair_steps, checkpoint=passes, kept=kept)))
     if check and np.isfinite(ini.alpha):
         a = ini.alpha
         _stage(rep, "check", lambda: setattr(rep, "check", threshold_by_side_information(
