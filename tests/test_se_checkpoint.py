@@ -154,3 +154,33 @@ def test_cli_checkpoint_with_a_phase_diagram_is_refused(tmp_path):
     r = subprocess.run([sys.executable, "-m", "aimsym.cli", "thresholds", str(D / "attention_L2_T2.toml"),
                         "--over", "c=0.5:1:2", "--checkpoint", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 2 and "--checkpoint" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_checkpoint_clearing_removes_the_kept_points_too(tmp_path):
+    """--checkpoint DIR holds passes and, in DIR/points, the staircase's kept restricted SE points
+    (smi.passes.Kept): both go once the result is printed; files that are not ours stay."""
+    from types import SimpleNamespace
+
+    from aimsym.cli.se import _clear_checkpoint, _kept
+    from aimsym.smi.passes import Kept
+
+    args = SimpleNamespace(checkpoint=str(tmp_path / "ck"))
+    Kept(_kept(args), {"step": 2}).put("1.1", {"f": 0.5})
+    (tmp_path / "ck" / "a.npz").write_bytes(b"x")
+    _clear_checkpoint(args)
+    assert not (tmp_path / "ck").exists()
+    Kept(_kept(args), {"step": 2}).put("1.1", {"f": 0.5})
+    (tmp_path / "ck" / "notes.txt").write_text("mine")
+    _clear_checkpoint(args)
+    assert (tmp_path / "ck" / "notes.txt").is_file() and not (tmp_path / "ck" / "points").exists()
+
+
+def test_kept_results_need_the_same_key(tmp_path):
+    from aimsym.smi.passes import Kept
+
+    Kept(tmp_path, {"a": 1}).put("x", [1.5, 2.0])
+    assert Kept(tmp_path, {"a": 1}).get("x") == [1.5, 2.0]
+    assert Kept(tmp_path, {"a": 2}).get("x") is None
+    path = Kept(tmp_path, {"a": 1}).path
+    path.write_text("{broken")
+    assert Kept(tmp_path, {"a": 1}).get("x") is None  # (damaged: computed again)

@@ -102,11 +102,17 @@ def cmd_se(args) -> int:
     return 0
 
 
+def _kept(args):
+    """Where ``--checkpoint`` keeps finished results that outlive a code change (smi.passes.Kept)."""
+    return Path(args.checkpoint) / "points" if getattr(args, "checkpoint", None) else None
+
+
 def _clear_checkpoint(args) -> None:
     if getattr(args, "checkpoint", None):
         from ..smi.passes import clear
 
         sys.stdout.flush()  # (the result is out before the passes that led to it go)
+        clear(_kept(args), "*.json")
         clear(args.checkpoint)
 
 
@@ -147,7 +153,7 @@ def cmd_thresholds(args) -> int:
     rep = threshold_report(model, samples=args.samples, replicas=args.replicas, nodes=args.nodes, seed=args.seed,
                            staircase=not args.no_staircase, se_samples=args.se_samples, check=args.check,
                            stair_steps=args.stair_steps, perfect=not args.no_perfect, pr_samples=args.pr_samples,
-                           pr_algorithmic=not args.pr_local, checkpoint=args.checkpoint)
+                           pr_algorithmic=not args.pr_local, checkpoint=args.checkpoint, kept=_kept(args))
     _print_thresholds(model, rep, args.json)
     if rep.failed:
         return 1  # (a failed stage keeps its passes: the same command resumes it)

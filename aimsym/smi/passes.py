@@ -109,12 +109,13 @@ class Passes:
                           "the run continues without keeping its passes", RuntimeWarning, stacklevel=3)
 
 
-def clear(folder) -> None:
-    """Remove the passes kept in ``folder`` (and the folder, if nothing else is in it)."""
+def clear(folder, pattern: str = "*.npz") -> None:
+    """Remove the passes kept in ``folder`` (``pattern``: the files of :class:`Kept`, ``*.json``) and
+    the folder, if nothing else is in it."""
     folder = Path(folder)
     if not folder.is_dir():
         return
-    for f in folder.glob("*.npz"):
+    for f in folder.glob(pattern):
         f.unlink(missing_ok=True)
     try:
         folder.rmdir()
