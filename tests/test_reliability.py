@@ -213,11 +213,11 @@ def test_sweep_progress_counts_points_and_errors_start_on_a_fresh_line(tmp_path,
 
     calls = []
 
-    def failing_point(*a):
+    def failing_point(*a, **kw):
         if calls:
             raise AimsymError("alpha", "stand-in failure after the first point")
         calls.append(a)
-        return real(*a)
+        return real(*a, **kw)
 
     real = sweep.run_point
     monkeypatch.setattr(sweep, "run_point", failing_point)
