@@ -270,9 +270,9 @@ def test_restricted_se_step_keeps_its_finished_points_and_resumes(monkeypatch, t
                                den=SimpleNamespace(accuracy={"tol": 1e-3}),
                                points=np.random.default_rng(seed).standard_normal((2, 4, 8)))
 
-    def run(folder, seed=0):
+    def run(folder, seed=0, start=0.5):
         calls.clear()
-        return th.next_threshold(Tiny(), [1], 0.5, ch_op=chan(seed), ch_se=chan(seed + 10), kept=folder)
+        return th.next_threshold(Tiny(), [1], start, ch_op=chan(seed), ch_se=chan(seed + 10), kept=folder)
 
     whole = run(None)
     n_whole = len(calls)
@@ -287,5 +287,7 @@ def test_restricted_se_step_keeps_its_finished_points_and_resumes(monkeypatch, t
         assert np.array_equal(np.asarray(resumed[k]), np.asarray(v)), k
     run(tmp_path)
     assert calls == []
+    again = run(tmp_path, start=0.5 * (1 + 1e-9))  # the previous threshold recomputed a hair off
+    assert calls == [] and again["alpha"] == whole["alpha"]
     run(tmp_path, seed=1)
     assert len(calls) == n_whole  # other points: nothing reused

@@ -399,6 +399,10 @@ def _root_xtol(e_lo: dict, e_hi: dict, lo: float, hi: float, xtol: float) -> flo
     return max(xtol, 0.1 * f_err / slope) if slope > 0 and np.isfinite(f_err) else xtol
 
 
+def _grid(alpha: float) -> float:
+    return float(f"{alpha:.4g}")
+
+
 def _operator_from_json(d: dict) -> Operator:
     return Operator(F=np.asarray(d["F"], float), F_stderr=np.asarray(d["F_stderr"], float), rho=float(d["rho"]),
                     rho_stderr=float(d["rho_stderr"]), rho_loo=np.asarray(d["rho_loo"], float),
@@ -419,8 +423,8 @@ def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se:
     P = [i for i in range(p) if i not in learned]
     cache: dict[float, dict] = {}
     store = None if kept is None else Kept(kept, {
-        "kind": "restricted SE step", "learned": [int(i) for i in learned], "alpha_start": float(alpha_start),
-        "se": points_id(ch_se), "op": points_id(ch_op), "se_tol": RESTRICTED_SE_TOL, "alpha_max": alpha_max})
+        "kind": "restricted SE step", "learned": [int(i) for i in learned], "se": points_id(ch_se),
+        "op": points_id(ch_op), "se_tol": RESTRICTED_SE_TOL, "alpha_max": alpha_max})
 
     def evaluate(alpha):
         if alpha in cache:
@@ -450,15 +454,18 @@ def next_threshold(model, learned, alpha_start: float, *, ch_op: Channel, ch_se:
     # only when the first step is already unstable: there the restricted SE is critically slow
     # (hundreds of iterations), and it is needed only to tell "unstable at once" from a root
     # inside the first step.
+    # (the bracket's alphas are rounded to 4 digits: a run whose previous threshold came out a hair
+    # different, e.g. recomputed by another code version, asks for the same alphas, and the kept
+    # points serve it)
     lo, hi = alpha_start * 1.0001, None
-    a_first = lo * 1.15
+    a_first = _grid(lo * 1.15)
     if a_first > alpha_max:
         raise AimsymError("alpha", f"no further threshold below alpha_max = {alpha_max} for block {P}")
     if evaluate(a_first)["f"] >= 0:
         hi = lo if evaluate(lo)["f"] >= 0 else a_first  # already unstable right after the previous threshold
     a = a_first
     while hi is None:
-        a_next = a * 1.15
+        a_next = _grid(a * 1.15)
         if a_next > alpha_max:
             raise AimsymError("alpha", f"no further threshold below alpha_max = {alpha_max} for block {P}")
         if evaluate(a_next)["f"] >= 0:
