@@ -46,14 +46,17 @@ def code_version() -> str:
     return h.hexdigest()[:16]
 
 
+def _setup(model, den) -> dict:
+    """The model (hash, parameters) and the denoiser's settings: what every result depends on."""
+    return {"model": model.hash(),
+            "parameters": {k: float(v) for k, v in dict(getattr(model, "parameters", {})).items()},
+            "denoiser": type(den).__name__, "accuracy": getattr(den, "accuracy", None)}
+
+
 def channel_key(model, den, points: np.ndarray) -> str:
     """What a pass depends on besides Q: model, denoiser settings, code, expectation points."""
-    kernels = getattr(model, "kernels", None)
-    desc = {"model": model.hash(), "parameters": {k: float(v) for k, v in dict(getattr(model, "parameters", {})).items()},
-            "generator": getattr(kernels, "GENERATOR_VERSION", None),
-            "denoiser": type(den).__name__,
-            "accuracy": getattr(den, "accuracy", None), "tol": getattr(den, "tol", None),
-            "rule": getattr(den, "rule", None), "code": code_version()}
+    desc = {**_setup(model, den), "generator": getattr(getattr(model, "kernels", None), "GENERATOR_VERSION", None),
+            "tol": getattr(den, "tol", None), "rule": getattr(den, "rule", None), "code": code_version()}
     h = hashlib.sha256(json.dumps(desc, sort_keys=True, default=repr).encode())
     h.update(str(points.shape).encode())
     h.update(np.ascontiguousarray(points, dtype=float).tobytes())
@@ -133,10 +136,7 @@ def points_id(ch) -> dict:
     """What a channel's results depend on, without the code version: model (hash, parameters), the
     denoiser's settings and a hash of the expectation points. (The key of :class:`Kept`: finished
     results are data, like a sweep's stored points, and outlive a change of the code.)"""
-    den = ch.den
-    return {"model": ch.model.hash(), "parameters": {k: float(v) for k, v in dict(getattr(ch.model, "parameters",
-                                                                                         {})).items()},
-            "denoiser": type(den).__name__, "accuracy": getattr(den, "accuracy", None),
+    return {**_setup(ch.model, ch.den),
             "points": hashlib.sha256(np.ascontiguousarray(ch.points, dtype=float).tobytes()).hexdigest()[:20]}
 
 
