@@ -102,6 +102,17 @@ PERFECT_NEAR = 2e-2
 PERFECT_RATE = 0.98
 PERFECT_RATE_SPREAD = 0.02
 PERFECT_STEPS = 5
+# escape from Q_kk ~ 0 (a layer just above its weak-recovery threshold, from an uninformed or warm
+# start or a re-seed): there the map is linear in the small entry, which grows by a steady factor
+# rho per step (1.07-1.09 for layer 1 of three layers at alpha = 0.9: some 60 steps, each a minute,
+# from 1e-4 to 1e-2). After ESCAPE_STEPS steps at rates above ESCAPE_RATE that change by at most
+# ESCAPE_SPREAD (rho - 1), the entry jumps to ESCAPE_TO (its row and column scaled alike), where the
+# iteration takes over: the same path along the unstable direction, without the linear stretch
+ESCAPE_FROM = 2e-3
+ESCAPE_TO = LOWER_FLOOR
+ESCAPE_RATE = 1.005
+ESCAPE_SPREAD = 0.1
+ESCAPE_STEPS = 4
 # a stalled iteration (see _stalled): STALL_STEPS steps below STALL_FRACTION of the map's replica
 # standard error without a drift of more than STALL_DRIFT mean steps
 STALL_STEPS = 12
@@ -932,6 +943,7 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
     shrinking, jumped, last_rate = 0, False, None
     newton_tries, last_try = 0, 0
     noise, recent = [], []  # the map's relative replica error per step; the last iterates
+    growth, escaped = [], np.zeros(Q.shape[0], bool)  # per-step factors of the diagonal; entries jumped
     for it in range(1, max_iter + 1):
         Q_hat_r, _ = se_map(ch, Q, alpha)
         Q_new = q_from_q_hat(Q_hat_r.mean(axis=0) * mask, Lam) * mask
@@ -954,6 +966,8 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
             Q_new[A] = np.eye(V.shape[0]) - V * (2 * OVERLAP_EPS / e_new[active].min())
             Q_new = clip_overlap(Q_new) * mask
             jumped = True  # once: at the clip the map is left to settle
+        if stop is None and (Q_esc := _escape_jump(Q, Q_new, growth, escaped, active)) is not None:
+            Q_new, xs, gs = Q_esc * mask, [], []
         history.append(relative_step(Q, Q_new))
         # still growing out of Q ~ 0 (an uninformed start just above a threshold grows by a factor
         # alpha * rho ~ 1 per step while transients decay): not converged, whatever the step size
@@ -995,6 +1009,26 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         xs, gs = (xs + [Q])[-anderson - 1:], (gs + [Q_plain])[-anderson - 1:]
         Q = _anderson(xs, gs) if anderson and contracting and len(xs) > 1 else Q_plain
     return Q, max(max_iter, 0), False
+
+
+def _escape_jump(Q, Q_new, growth, escaped, active) -> np.ndarray | None:
+    """Q_new with each diagonal entry escaping linearly from ~0 moved to ESCAPE_TO (see the
+    constants), or None. ``growth`` collects the per-step factors of the diagonal (appended here),
+    ``escaped`` the entries already moved (once each: after the jump the map is no longer linear)."""
+    d_old, d_new = np.diag(Q), np.diag(Q_new)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        growth.append(np.where(d_old > 0, d_new / d_old, np.nan))
+    if len(growth) < ESCAPE_STEPS:
+        return None
+    r = np.array(growth[-ESCAPE_STEPS:])
+    steady = np.all(r >= ESCAPE_RATE, axis=0) & np.all(
+        np.abs(np.diff(r, axis=0)) <= ESCAPE_SPREAD * (r[1:] - 1.0), axis=0)
+    jump = steady & active & ~escaped & (d_new > 0) & (d_new < ESCAPE_FROM)
+    if not jump.any():
+        return None
+    escaped |= jump
+    s = np.where(jump, np.sqrt(ESCAPE_TO / np.where(jump, d_new, 1.0)), 1.0)
+    return clip_overlap(sym(Q_new * np.outer(s, s)))
 
 
 def _slow_steady(h) -> bool:

@@ -1,0 +1,87 @@
+"""The escape jump of the SE iteration (aimsym/smi/se.py, ``_escape_jump``): a diagonal entry
+growing out of Q_kk ~ 0 by a steady factor per step (a layer just above its weak-recovery
+threshold) is moved to ESCAPE_TO at once instead of over dozens of linear steps. The fixed point
+must be the one the plain iteration reaches, in fewer maps."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import aimsym
+import aimsym.smi.se as se
+from aimsym.derive.files import derivations_dir
+
+D = derivations_dir()
+
+
+def _steps(Q0, rates, n):
+    """A diagonal path Q_t with Q_kk multiplied by rates[k] per step, fed to _escape_jump;
+    returns the step of the first jump (or None) and the jumped matrix."""
+    growth, escaped = [], np.zeros(Q0.shape[0], bool)
+    active = np.ones(Q0.shape[0], bool)
+    Q = Q0.copy()
+    for t in range(n):
+        Q_new = Q * np.sqrt(np.outer(rates(t), rates(t)))
+        out = se._escape_jump(Q, Q_new, growth, escaped, active)
+        if out is not None:
+            return t, out, escaped
+        Q = Q_new
+    return None, Q, escaped
+
+
+def test_steady_growth_jumps_once_keeping_correlations():
+    Q0 = np.array([[1e-4, 2e-5, 0.0], [2e-5, 0.3, 0.0], [0.0, 0.0, 0.9]])
+    t, Q, escaped = _steps(Q0, lambda t: np.array([1.08, 1.0, 1.0]), 20)
+    assert t == se.ESCAPE_STEPS - 1 and list(escaped) == [True, False, False]
+    assert Q[0, 0] == pytest.approx(se.ESCAPE_TO, rel=1e-9)
+    assert Q[1, 1] == pytest.approx(0.3) and Q[2, 2] == pytest.approx(0.9)
+    # the row and column scaled alike: the correlation Q_01 / sqrt(Q_00 Q_11) is kept
+    r0 = Q0[0, 1] / np.sqrt(Q0[0, 0] * Q0[1, 1])
+    assert Q[0, 1] / np.sqrt(Q[0, 0] * Q[1, 1]) == pytest.approx(r0, rel=1e-6)
+    assert np.linalg.eigvalsh(Q).min() >= 0
+
+
+@pytest.mark.parametrize("rates", [
+    lambda t: np.array([0.95, 1.0]),                        # decaying
+    lambda t: np.array([1.002, 1.0]),                       # below ESCAPE_RATE
+    lambda t: np.array([1.08 if t % 2 else 1.3, 1.0]),      # not steady (not the linear regime)
+])
+def test_no_jump_without_a_steady_linear_escape(rates):
+    t, _, escaped = _steps(np.diag([1e-4, 0.5]), rates, 30)
+    assert t is None and not escaped.any()
+
+
+def test_no_jump_once_the_entry_is_past_the_linear_regime():
+    t, _, _ = _steps(np.diag([5e-3, 0.5]), lambda t: np.array([1.08, 1.0]), 30)
+    assert t is None
+
+
+def _run(alpha, steps):
+    maps = {"n": 0}
+    orig = se.se_map
+
+    def counted(*a, **k):
+        maps["n"] += 1
+        return orig(*a, **k)
+
+    m = aimsym.load(D / "attention_L2_T2.toml", c=1.0)
+    ch = se.make_channel(m, samples=1024, replicas=8, seed=0)
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        mp.setattr(se, "ESCAPE_STEPS", steps)
+        mp.setattr(se, "se_map", counted)
+        warnings.simplefilter("ignore")
+        r = se.state_evolution(m, alpha, channel=ch, errors=False, tol=1e-3)
+    return r, maps["n"]
+
+
+@pytest.mark.parametrize("alpha", [0.76, 0.85])
+def test_escape_reaches_the_plain_fixed_point_in_fewer_maps(alpha):
+    """Two layers at skip 1 just above layer 1's threshold (from the uninformed start layer 2 is
+    learned first, then layer 1 escapes slowly from ~0)."""
+    plain, n0 = _run(alpha, 10**9)
+    esc, n1 = _run(alpha, se.ESCAPE_STEPS)
+    assert plain.converged and esc.converged
+    assert 0.01 < plain.Q[0, 0] < 0.5  # (the regime of the test: layer 1 escaped, not yet large)
+    assert n1 <= n0 - 10, (n1, n0)
+    assert np.all(np.abs(esc.Q - plain.Q) <= 0.1 * plain.Q_stderr + 1e-6), (esc.Q, plain.Q, plain.Q_stderr)
