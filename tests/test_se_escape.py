@@ -1,7 +1,9 @@
-"""The escape jump of the SE iteration (aimsym/smi/se.py, ``_escape_jump``): a diagonal entry
-growing out of Q_kk ~ 0 by a steady factor per step (a layer just above its weak-recovery
-threshold) is moved to ESCAPE_TO at once instead of over dozens of linear steps. The fixed point
-must be the one the plain iteration reaches, in fewer maps."""
+"""Leaving and staying at Q_kk ~ 0 in the SE iteration (aimsym/smi/se.py). The escape jump
+(``_escape_jump``): a diagonal entry growing out of ~0 by a steady factor per step (a layer just
+above its weak-recovery threshold) is moved to ESCAPE_TO at once instead of over dozens of linear
+steps. The re-seeding's early verdict (``_decaying``): a re-seeded entry decaying steadily settles
+"stable" after RESEED_STEPS steps. Either way the fixed point must be the one the plain iteration
+reaches, in fewer maps."""
 
 import warnings
 
@@ -57,7 +59,7 @@ def test_no_jump_once_the_entry_is_past_the_linear_regime():
     assert t is None
 
 
-def _run(alpha, steps):
+def _run(alpha, steps, reseed_steps=se.RESEED_STEPS):
     maps = {"n": 0}
     orig = se.se_map
 
@@ -69,6 +71,7 @@ def _run(alpha, steps):
     ch = se.make_channel(m, samples=1024, replicas=8, seed=0)
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         mp.setattr(se, "ESCAPE_STEPS", steps)
+        mp.setattr(se, "RESEED_STEPS", reseed_steps)
         mp.setattr(se, "se_map", counted)
         warnings.simplefilter("ignore")
         r = se.state_evolution(m, alpha, channel=ch, errors=False, tol=1e-3)
@@ -85,3 +88,34 @@ def test_escape_reaches_the_plain_fixed_point_in_fewer_maps(alpha):
     assert 0.01 < plain.Q[0, 0] < 0.5  # (the regime of the test: layer 1 escaped, not yet large)
     assert n1 <= n0 - 10, (n1, n0)
     assert np.all(np.abs(esc.Q - plain.Q) <= 0.1 * plain.Q_stderr + 1e-6), (esc.Q, plain.Q, plain.Q_stderr)
+
+
+def test_reseed_settles_a_stable_zero_in_fewer_maps():
+    """Two layers at skip 1 below layer 1's threshold: layer 1 stays at 0; its re-seeding at 1e-4
+    decays and is settled after RESEED_STEPS steps instead of at convergence (69 maps against 46)."""
+    plain, n0 = _run(0.7, se.ESCAPE_STEPS, reseed_steps=10**9)
+    fast, n1 = _run(0.7, se.ESCAPE_STEPS)
+    assert plain.converged and fast.converged
+    assert plain.Q[0, 0] < 1e-6 and fast.Q[0, 0] < 1e-6 and plain.Q[1, 1] > 0.9
+    assert n1 <= n0 - 5, (n1, n0)
+    assert np.all(np.abs(fast.Q - plain.Q) <= 0.1 * plain.Q_stderr + 1e-6), (fast.Q, plain.Q, plain.Q_stderr)
+
+
+def test_decaying_watch():
+    small = np.array([True, False])
+    w = se._decaying(small)
+    Q = np.diag([1e-4, 0.5])
+    fired = []
+    for rate in (0.7, 0.8, 0.85, 0.7, 0.7):
+        Q_new = np.diag([Q[0, 0] * rate, 0.5])
+        fired.append(w(Q, Q_new))
+        Q = Q_new
+    assert fired == [False, False, False, True, True]
+    w = se._decaying(small)  # a step that grows (or decays too slowly) restarts the count
+    Q = np.diag([1e-4, 0.5])
+    fired = []
+    for rate in (0.7, 0.95, 0.7, 0.7, 0.7, 0.7, 1.2, 0.7):
+        Q_new = np.diag([Q[0, 0] * rate, 0.5])
+        fired.append(w(Q, Q_new))
+        Q = Q_new
+    assert fired == [False, False, False, False, False, True, False, False]

@@ -113,6 +113,11 @@ ESCAPE_TO = LOWER_FLOOR
 ESCAPE_RATE = 1.005
 ESCAPE_SPREAD = 0.1
 ESCAPE_STEPS = 4
+# the re-seeding's verdict "stable" (see _reseed): every re-seeded entry shrinking by a factor of at
+# most RESEED_DECAY per step for RESEED_STEPS steps (the linear regime of a stable zero; each
+# further step until the iteration converges, ~20 at rates ~0.7, is a map for nothing)
+RESEED_DECAY = 0.9
+RESEED_STEPS = 4
 # a stalled iteration (see _stalled): STALL_STEPS steps below STALL_FRACTION of the map's replica
 # standard error without a drift of more than STALL_DRIFT mean steps
 STALL_STEPS = 12
@@ -934,9 +939,12 @@ def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, da
     )
 
 
-def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=3, stop=None, flags=None):
+def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=3, stop=None, flags=None,
+             watch=None):
     """Damped fixed-point iteration of the SE map; returns (Q, iterations, converged).
-    ``flags["stalled"]`` is set when it ends on a stalled cycle (:func:`_stalled`)."""
+    ``flags["stalled"]`` is set when it ends on a stalled cycle (:func:`_stalled`). ``watch(Q,
+    Q_new)``: ends the iteration when true (not converged), unlike ``stop`` without changing its
+    steps (the escape and Newton jumps stay on)."""
     start = len(history)
     xs, gs = [], []  # Anderson memory: iterates and their images
     active = np.diag(mask) > 0
@@ -969,6 +977,8 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         if stop is None and (Q_esc := _escape_jump(Q, Q_new, growth, escaped, active)) is not None:
             Q_new, xs, gs = Q_esc * mask, [], []
         history.append(relative_step(Q, Q_new))
+        if watch is not None and watch(Q, Q_new):
+            return Q_new, it, False
         # still growing out of Q ~ 0 (an uninformed start just above a threshold grows by a factor
         # alpha * rho ~ 1 per step while transients decay): not converged, whatever the step size
         # (per diagonal entry: one layer can be escaping while another is already learned)
@@ -1072,7 +1082,8 @@ def _reseed(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson, 
     grows: the factor per step is ~0.2 there) and then stop on a fixed point that is unstable in
     that index, which from 1e-12 would need dozens of steps to show. Such entries are re-seeded at
     ``eps`` and the iteration continued: they escape if the fixed point is unstable there (the
-    escape test in :func:`_iterate` keeps it going while they grow), else they decay back."""
+    escape test in :func:`_iterate` keeps it going while they grow), else they decay back, which
+    RESEED_STEPS steps of steady decay settle (:func:`_decaying`)."""
     n_total = 0
     for _ in range(rounds):
         small = (np.diag(Q) < eps) & (np.diag(mask) > 0)
@@ -1080,12 +1091,25 @@ def _reseed(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson, 
             break
         Q_seed = Q + eps * np.diag(small.astype(float))
         Q_new, n_it, conv = _iterate(ch, Q_seed, alpha, Lam, mask, damping, tol, max_iter - n_total, history,
-                                     anderson)
+                                     anderson, watch=_decaying(small))
         n_total += n_it
         if not np.any(np.diag(Q_new)[small] >= eps):
             break  # decayed back: Q is stable there (keep it, not the half-decayed perturbation)
         Q, converged = Q_new, conv
     return Q, n_total, converged
+
+
+def _decaying(small: np.ndarray):
+    """A ``watch`` for :func:`_iterate`: true once every entry ``small`` of the diagonal has shrunk
+    by at most RESEED_DECAY per step for RESEED_STEPS steps."""
+    rates = []
+
+    def watch(Q_old, Q_new):
+        d_old, d_new = np.diag(Q_old)[small], np.diag(Q_new)[small]
+        rates.append(float(np.max(d_new / np.maximum(d_old, 1e-300))))
+        return len(rates) >= RESEED_STEPS and max(rates[-RESEED_STEPS:]) <= RESEED_DECAY
+
+    return watch
 
 
 def _anderson(xs, gs) -> np.ndarray:
