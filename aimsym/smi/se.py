@@ -118,6 +118,15 @@ ESCAPE_STEPS = 4
 # further step until the iteration converges, ~20 at rates ~0.7, is a map for nothing)
 RESEED_DECAY = 0.9
 RESEED_STEPS = 4
+# convergence within the statistical error: the iteration (and the Newton polish) also stops where
+# every entry's remaining distance is below STAT_STOP of its fixed point's replica error (near a
+# transition, where the map contracts critically slowly and that error is large, the relative tol
+# alone asks for digits far below it); the distance left is folded into Q_stderr
+STAT_STOP = 0.1
+# ... on a steady contraction only: STAT_STEADY steps at rates in [STAT_RATE, 1) within STAT_RATE_SPREAD
+STAT_STEADY = 4
+STAT_RATE = 0.5
+STAT_RATE_SPREAD = 0.1
 # a stalled iteration (see _stalled): STALL_STEPS steps below STALL_FRACTION of the map's replica
 # standard error without a drift of more than STALL_DRIFT mean steps
 STALL_STEPS = 12
@@ -654,6 +663,7 @@ class Response:
     free: list
     F0: np.ndarray
     J: np.ndarray
+    delta: np.ndarray | None = None  # the last Newton step (I - J)^{-1} (F(Q) - Q) on the free entries
 
     def vec(self, M: np.ndarray) -> np.ndarray:
         return np.array([M[..., i, j] for i, j in self.free]).T
@@ -698,13 +708,15 @@ def map_response(ch: Channel, Q0: np.ndarray, alpha: float, Lam: np.ndarray, mas
 
 
 def newton_polish(ch: Channel, Q: np.ndarray, alpha: float, Lam: np.ndarray, mask: np.ndarray, tol: float,
-                  steps: int = 3):
+                  steps: int = 3, slack: np.ndarray | None = None):
     """Newton steps Q <- Q + (I - J)^{-1} (F(Q) - Q) on the fixed-point equation, at a stable
     fixed point of the iteration only (a Newton step would also reach unstable ones). Near a
     transition the iteration contracts critically slowly (rate -> 1) and its extrapolated
     stopping rule can stop early (linear channel at alpha = 0.99: 1 % off in 1 - Q at tol 1e-4);
     the Newton distance (I - J)^{-1} (F(Q) - Q) is the actual distance to the fixed point.
-    Returns (Q, response at Q, distance to the fixed point in :func:`relative_step` units)."""
+    ``slack`` (p, p): a step within it entry by entry is also close enough (STAT_STOP of the
+    fixed point's replica error). Returns (Q, response at Q (its ``delta``: the last Newton step),
+    distance to the fixed point in :func:`relative_step` units)."""
     p = Q.shape[0]
     resp = map_response(ch, Q, alpha, Lam, mask)
     dist = 0.0
@@ -714,9 +726,11 @@ def newton_polish(ch: Channel, Q: np.ndarray, alpha: float, Lam: np.ndarray, mas
         dq = _newton_delta(resp, Q)
         if dq is None:
             return Q, resp, float("inf")
+        resp.delta = dq
         s = np.sqrt(error_scale(Q))
         dist = float(np.max(np.abs(dq) / np.array([s[i] * s[j] for i, j in resp.free])))
-        if dist < tol or not resp.stable or _ == steps:
+        if dist < tol or not resp.stable or _ == steps or _within(np.abs(dq), resp.vec(slack) if slack is not None
+                                                                   else None):
             break
         Q_new = clip_overlap(Q + resp.unvec(dq, p)) * mask
         if not _local(Q, Q_new):
@@ -724,6 +738,10 @@ def newton_polish(ch: Channel, Q: np.ndarray, alpha: float, Lam: np.ndarray, mas
         Q = Q_new
         resp = map_response(ch, Q, alpha, Lam, mask)
     return Q, resp, dist
+
+
+def _within(x, slack) -> bool:
+    return slack is not None and bool(np.all(x <= slack))
 
 
 def _newton_delta(resp: Response, Q: np.ndarray) -> np.ndarray | None:
@@ -892,8 +910,8 @@ def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, da
     if stop is None and stalled:  # (Newton on a discontinuous map would chase its jumps)
         resp = map_response(ch, Q, alpha, Lam, mask)
     elif stop is None:
-        Q, resp, distance = newton_polish(ch, Q, alpha, Lam, mask, tol)
-        converged = bool(converged and distance < tol) or bool(distance < tol and resp.stable)
+        slack = None if flags.get("noise") is None else STAT_STOP * flags["noise"]
+        Q, resp, distance = newton_polish(ch, Q, alpha, Lam, mask, tol, slack=slack)
     Q_hat_r, psi_r, diag = se_map(ch, Q, alpha, diagnostics=True)
     Q_hat_r = Q_hat_r * mask
     Q_hat, Q_hat_se = mean_and_stderr(Q_hat_r)
@@ -903,6 +921,13 @@ def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, da
         Q_se, response = fixed_point_stderr(resp, Q_r)
     else:
         (_, Q_se), response = mean_and_stderr(Q_r), None
+    if distance is not None:
+        # close enough: within tol (relative) or within STAT_STOP of the fixed point's error, entry
+        # by entry; the Newton step left is added to the error
+        step = np.abs(resp.unvec(resp.delta, p)) if resp.delta is not None else np.zeros_like(Q_se)
+        close = distance < tol or _within(resp.vec(step), resp.vec(STAT_STOP * Q_se))
+        converged = bool(converged and close) or bool(close and resp.stable)
+        Q_se = np.sqrt(Q_se**2 + step**2)
     # the quadrature error folded in (conservatively, by its largest share of Q_hat's stderr)
     share = diag.get("quadrature_to_statistical") or 0.0
     Q_se = Q_se * np.sqrt(1.0 + share**2)
@@ -955,7 +980,10 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
     for it in range(1, max_iter + 1):
         Q_hat_r, _ = se_map(ch, Q, alpha)
         Q_new = q_from_q_hat(Q_hat_r.mean(axis=0) * mask, Lam) * mask
-        noise.append(_map_noise(Q_hat_r, Lam, mask, Q_new))
+        noise_m = _map_noise(Q_hat_r, Lam, mask)
+        noise.append(relative_size(noise_m, Q_new))
+        if flags is not None:
+            flags["noise"] = noise_m
         # near Q = I the map is homogeneous in V = I - Q: a steady contraction of every 1 - Q_kk
         # for PERFECT_STEPS steps below PERFECT_NEAR continues to V = 0. Jump to the
         # resolution there (saving the ~10 steps per decade, each costly where one layer is nearly
@@ -984,7 +1012,7 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         # (per diagonal entry: one layer can be escaping while another is already learned)
         d_old, d_new = np.diag(Q), np.diag(Q_new)
         escaping = bool(np.any((d_new < 0.01) & (d_new > 1e-12) & (d_new > d_old * (1 + tol))))
-        if not escaping and _converged(history[start:], tol):
+        if not escaping and _converged(history[start:], tol, np.abs(Q_new - Q), STAT_STOP * noise_m, Q_new):
             return Q_new, it, True
         recent.append(Q_new)
         if not escaping and _stalled(history[start:], noise, recent):
@@ -1142,12 +1170,16 @@ def relative_step(Q_old: np.ndarray, Q_new: np.ndarray) -> float:
     return float(np.max(np.abs(Q_new - Q_old) / np.outer(s, s)))
 
 
-def _map_noise(Q_hat_r, Lam, mask, Q_new) -> float:
-    """The replica standard error of one step's image, in :func:`relative_step` units."""
+def _map_noise(Q_hat_r, Lam, mask) -> np.ndarray:
+    """The replica standard error of one step's image (p, p)."""
     Q_r = np.stack([q_from_q_hat(x * mask, Lam) * mask for x in Q_hat_r])
-    _, se = mean_and_stderr(Q_r)
-    s = np.sqrt(error_scale(Q_new))
-    return float(np.max(se / np.outer(s, s)))
+    return mean_and_stderr(Q_r)[1]
+
+
+def relative_size(M: np.ndarray, Q: np.ndarray) -> float:
+    """max_kl |M_kl| / sqrt(s_k s_l), s = :func:`error_scale` of Q (the units of :func:`relative_step`)."""
+    s = np.sqrt(error_scale(Q))
+    return float(np.max(np.abs(M) / np.outer(s, s)))
 
 
 def _stalled(history, noise, recent) -> bool:
@@ -1163,14 +1195,33 @@ def _stalled(history, noise, recent) -> bool:
     return max(last) < STALL_FRACTION * min(noise[-STALL_STEPS:]) and drift < STALL_DRIFT * np.mean(last)
 
 
-def _converged(history, tol) -> bool:
+def _converged(history, tol, step=None, slack=None, Q=None) -> bool:
     """Distance to the fixed point (in :func:`relative_step` units), extrapolated from the
-    geometric rate of the last two steps, below tol."""
-    step = history[-1]
+    geometric rate of the last two steps, below tol; or, entry by entry (``step`` (p, p), the last
+    step; ``slack``: STAT_STOP times the map's replica error), below tol or the step below its
+    slack: along the slow direction the distance step / (1 - rate) and the fixed point's replica
+    error noise / (1 - rate) share the amplification, so their ratio is that of step and noise."""
+    last = history[-1]
     rate = min(history[-1] / history[-2], 0.999) if len(history) > 1 and history[-2] > 0 else 0.5
     if len(history) > 1 and history[-1] > history[-2]:
         return False
-    return step / (1.0 - rate) < tol
+    if last / (1.0 - rate) < tol:
+        return True
+    # (only on a steady contraction: a map whose outputs are discrete cycles within its noise with
+    # erratic steps, and is left to the stall test, where no Newton polish chases its jumps)
+    if step is None or not _steady_contraction(history):
+        return False
+    s = np.sqrt(error_scale(Q))
+    return bool(np.all((step / np.outer(s, s) / (1.0 - rate) < tol) | (step <= slack)))
+
+
+def _steady_contraction(h) -> bool:
+    """The last STAT_STEADY steps shrink at rates between STAT_RATE and 1 that change by at most
+    STAT_RATE_SPREAD."""
+    if len(h) < STAT_STEADY + 1:
+        return False
+    r = np.array(h[-STAT_STEADY:]) / np.maximum(np.array(h[-STAT_STEADY - 1:-1]), 1e-300)
+    return bool(np.all((r >= STAT_RATE) & (r < 1.0)) and r.max() - r.min() <= STAT_RATE_SPREAD)
 
 
 def _restrict_mask(p, restrict):
