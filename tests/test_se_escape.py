@@ -5,16 +5,12 @@ steps. The re-seeding's early verdict (``_decaying``): a re-seeded entry decayin
 "stable" after RESEED_STEPS steps. Either way the fixed point must be the one the plain iteration
 reaches, in fewer maps."""
 
-import warnings
 
 import numpy as np
 import pytest
 
-import aimsym
 import aimsym.smi.se as se
-from aimsym.derive.files import derivations_dir
-
-D = derivations_dir()
+from se_counting import counted_se
 
 
 def _steps(Q0, rates, n):
@@ -60,22 +56,8 @@ def test_no_jump_once_the_entry_is_past_the_linear_regime():
 
 
 def _run(alpha, steps, reseed_steps=se.RESEED_STEPS):
-    maps = {"n": 0}
-    orig = se.se_map
-
-    def counted(*a, **k):
-        maps["n"] += 1
-        return orig(*a, **k)
-
-    m = aimsym.load(D / "attention_L2_T2.toml", c=1.0)
-    ch = se.make_channel(m, samples=1024, replicas=8, seed=0)
-    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
-        mp.setattr(se, "ESCAPE_STEPS", steps)
-        mp.setattr(se, "RESEED_STEPS", reseed_steps)
-        mp.setattr(se, "se_map", counted)
-        warnings.simplefilter("ignore")
-        r = se.state_evolution(m, alpha, channel=ch, errors=False, tol=1e-3)
-    return r, maps["n"]
+    r, calls = counted_se(alpha, 1024, ESCAPE_STEPS=steps, RESEED_STEPS=reseed_steps)
+    return r, calls["maps"]
 
 
 @pytest.mark.parametrize("alpha", [0.76, 0.85])

@@ -3,39 +3,16 @@ iteration contracts slowly and steadily, one Newton step on the learned entries 
 of steps. The fixed point must be the one the plain iteration reaches (same branch, within the
 convergence tolerance), in fewer maps; heading for Q = I (perfect recovery), no step is tried."""
 
-import warnings
 
 import numpy as np
 import pytest
 
-import aimsym
 import aimsym.smi.se as se
-from aimsym.derive.files import derivations_dir
-
-D = derivations_dir()
+from se_counting import counted_se
 
 
 def _run(alpha, tries):
-    calls = {"maps": 0, "jumps": 0}
-    orig_map, orig_jump = se.se_map, se._newton_jump
-
-    def counted(*a, **k):
-        calls["maps"] += 1
-        return orig_map(*a, **k)
-
-    def jump(*a, **k):
-        calls["jumps"] += 1
-        return orig_jump(*a, **k)
-
-    m = aimsym.load(D / "attention_L2_T2.toml", c=1.0)
-    ch = se.make_channel(m, samples=2048, replicas=8, seed=0)
-    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
-        mp.setattr(se, "NEWTON_TRIES", tries)
-        mp.setattr(se, "se_map", counted)
-        mp.setattr(se, "_newton_jump", jump)
-        warnings.simplefilter("ignore")
-        r = se.state_evolution(m, alpha, channel=ch, errors=False, tol=1e-3)
-    return r, calls
+    return counted_se(alpha, 2048, NEWTON_TRIES=tries)
 
 
 @pytest.mark.parametrize("alpha", [0.8, 0.9, pytest.param(1.0, marks=pytest.mark.slow)])

@@ -3,16 +3,11 @@ its Newton polish also stop where every entry's remaining step is below STAT_STO
 error. Near a transition (critically slow contraction, large errors) that saves most of the maps;
 the fixed point must stay within a small fraction of its error, and the step left is in Q_stderr."""
 
-import warnings
 
 import numpy as np
-import pytest
 
-import aimsym
 import aimsym.smi.se as se
-from aimsym.derive.files import derivations_dir
-
-D = derivations_dir()
+from se_counting import counted_se
 
 
 def test_converged_entry_by_entry():
@@ -32,21 +27,8 @@ def test_converged_entry_by_entry():
 
 
 def _run(alpha, stat):
-    maps = {"n": 0}
-    orig = se.se_map
-
-    def counted(*a, **k):
-        maps["n"] += 1
-        return orig(*a, **k)
-
-    m = aimsym.load(D / "attention_L2_T2.toml", c=1.0)
-    ch = se.make_channel(m, samples=1024, replicas=8, seed=0)
-    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
-        mp.setattr(se, "STAT_STOP", stat)
-        mp.setattr(se, "se_map", counted)
-        warnings.simplefilter("ignore")
-        r = se.state_evolution(m, alpha, channel=ch, errors=False, tol=1e-3)
-    return r, maps["n"]
+    r, calls = counted_se(alpha, 1024, STAT_STOP=stat)
+    return r, calls["maps"]
 
 
 def test_critically_slow_point_stops_within_its_error():
