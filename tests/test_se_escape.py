@@ -5,7 +5,6 @@ steps. The re-seeding's early verdict (``_decaying``): a re-seeded entry decayin
 "stable" after RESEED_STEPS steps. Either way the fixed point must be the one the plain iteration
 reaches, in fewer maps."""
 
-
 import numpy as np
 import pytest
 

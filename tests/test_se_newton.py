@@ -3,7 +3,6 @@ iteration contracts slowly and steadily, one Newton step on the learned entries 
 of steps. The fixed point must be the one the plain iteration reaches (same branch, within the
 convergence tolerance), in fewer maps; heading for Q = I (perfect recovery), no step is tried."""
 
-
 import numpy as np
 import pytest
 

@@ -3,7 +3,6 @@ its Newton polish also stop where every entry's remaining step is below STAT_STO
 error. Near a transition (critically slow contraction, large errors) that saves most of the maps;
 the fixed point must stay within a small fraction of its error, and the step left is in Q_stderr."""
 
-
 import numpy as np
 
 import aimsym.smi.se as se
