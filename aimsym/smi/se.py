@@ -1071,10 +1071,15 @@ def _escape_jump(Q, Q_new, growth, escaped, active) -> np.ndarray | None:
 
 def _slow_steady(h) -> bool:
     """The last NEWTON_AFTER steps shrink steadily at a rate between NEWTON_RATE and 1."""
-    if len(h) < NEWTON_AFTER + 1:
+    return _steady_rates(h, NEWTON_AFTER, NEWTON_RATE, NEWTON_RATE_SPREAD)
+
+
+def _steady_rates(h, n: int, low: float, spread: float) -> bool:
+    """The last n steps of h shrink at rates in [low, 1) that differ by at most spread."""
+    if len(h) < n + 1:
         return False
-    r = np.array(h[-NEWTON_AFTER:]) / np.maximum(np.array(h[-NEWTON_AFTER - 1:-1]), 1e-300)
-    return bool(np.all((r >= NEWTON_RATE) & (r < 1.0)) and r.max() - r.min() <= NEWTON_RATE_SPREAD)
+    r = np.array(h[-n:]) / np.maximum(np.array(h[-n - 1:-1]), 1e-300)
+    return bool(np.all((r >= low) & (r < 1.0)) and r.max() - r.min() <= spread)
 
 
 def _local_ahead(Q_old, Q_new, h) -> bool:
@@ -1209,19 +1214,10 @@ def _converged(history, tol, step=None, slack=None, Q=None) -> bool:
         return True
     # (only on a steady contraction: a map whose outputs are discrete cycles within its noise with
     # erratic steps, and is left to the stall test, where no Newton polish chases its jumps)
-    if step is None or not _steady_contraction(history):
+    if step is None or not _steady_rates(history, STAT_STEADY, STAT_RATE, STAT_RATE_SPREAD):
         return False
     s = np.sqrt(error_scale(Q))
     return bool(np.all((step / np.outer(s, s) / (1.0 - rate) < tol) | (step <= slack)))
-
-
-def _steady_contraction(h) -> bool:
-    """The last STAT_STEADY steps shrink at rates between STAT_RATE and 1 that change by at most
-    STAT_RATE_SPREAD."""
-    if len(h) < STAT_STEADY + 1:
-        return False
-    r = np.array(h[-STAT_STEADY:]) / np.maximum(np.array(h[-STAT_STEADY - 1:-1]), 1e-300)
-    return bool(np.all((r >= STAT_RATE) & (r < 1.0)) and r.max() - r.min() <= STAT_RATE_SPREAD)
 
 
 def _restrict_mask(p, restrict):
