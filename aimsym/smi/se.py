@@ -123,6 +123,9 @@ RESEED_STEPS = 4
 # transition, where the map contracts critically slowly and that error is large, the relative tol
 # alone asks for digits far below it); the distance left is folded into Q_stderr
 STAT_STOP = 0.1
+# (not for noiseless discrete outputs (sign, hardmax: generic rank m = 0): their sampled map jumps
+# where a sample's y flips, so a Newton step on it and the fixed point's error from its Jacobian
+# mean nothing; they keep the relative tol and the stall test)
 # ... on a steady contraction only: STAT_STEADY steps at rates in [STAT_RATE, 1) within STAT_RATE_SPREAD
 STAT_STEADY = 4
 STAT_RATE = 0.5
@@ -740,6 +743,12 @@ def newton_polish(ch: Channel, Q: np.ndarray, alpha: float, Lam: np.ndarray, mas
     return Q, resp, dist
 
 
+def stat_stop(ch) -> float:
+    """STAT_STOP for a channel whose sampled map is smooth in Q; 0 for noiseless discrete outputs."""
+    counting = getattr(getattr(ch.model, "kernels", None), "COUNTING", None) or {}
+    return 0.0 if counting.get("m") == 0 and counting.get("noiseless") else STAT_STOP
+
+
 def _within(x, slack) -> bool:
     return slack is not None and bool(np.all(x <= slack))
 
@@ -910,7 +919,7 @@ def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, da
     if stop is None and stalled:  # (Newton on a discontinuous map would chase its jumps)
         resp = map_response(ch, Q, alpha, Lam, mask)
     elif stop is None:
-        slack = None if flags.get("noise") is None else STAT_STOP * flags["noise"]
+        slack = None if flags.get("noise") is None or not stat_stop(ch) else stat_stop(ch) * flags["noise"]
         Q, resp, distance = newton_polish(ch, Q, alpha, Lam, mask, tol, slack=slack)
     Q_hat_r, psi_r, diag = se_map(ch, Q, alpha, diagnostics=True)
     Q_hat_r = Q_hat_r * mask
@@ -925,7 +934,7 @@ def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, da
         # close enough: within tol (relative) or within STAT_STOP of the fixed point's error, entry
         # by entry; the Newton step left is added to the error
         step = np.abs(resp.unvec(resp.delta, p)) if resp.delta is not None else np.zeros_like(Q_se)
-        close = distance < tol or _within(resp.vec(step), resp.vec(STAT_STOP * Q_se))
+        close = distance < tol or (stat_stop(ch) > 0 and _within(resp.vec(step), resp.vec(stat_stop(ch) * Q_se)))
         converged = bool(converged and close) or bool(close and resp.stable)
         Q_se = np.sqrt(Q_se**2 + step**2)
     # the quadrature error folded in (conservatively, by its largest share of Q_hat's stderr)
@@ -1012,7 +1021,8 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         # (per diagonal entry: one layer can be escaping while another is already learned)
         d_old, d_new = np.diag(Q), np.diag(Q_new)
         escaping = bool(np.any((d_new < 0.01) & (d_new > 1e-12) & (d_new > d_old * (1 + tol))))
-        if not escaping and _converged(history[start:], tol, np.abs(Q_new - Q), STAT_STOP * noise_m, Q_new):
+        slack = stat_stop(ch) * noise_m if stat_stop(ch) > 0 else None
+        if not escaping and _converged(history[start:], tol, np.abs(Q_new - Q), slack, Q_new):
             return Q_new, it, True
         recent.append(Q_new)
         if not escaping and _stalled(history[start:], noise, recent):
@@ -1214,7 +1224,7 @@ def _converged(history, tol, step=None, slack=None, Q=None) -> bool:
         return True
     # (only on a steady contraction: a map whose outputs are discrete cycles within its noise with
     # erratic steps, and is left to the stall test, where no Newton polish chases its jumps)
-    if step is None or not _steady_rates(history, STAT_STEADY, STAT_RATE, STAT_RATE_SPREAD):
+    if slack is None or not _steady_rates(history, STAT_STEADY, STAT_RATE, STAT_RATE_SPREAD):
         return False
     s = np.sqrt(error_scale(Q))
     return bool(np.all((step / np.outer(s, s) / (1.0 - rate) < tol) | (step <= slack)))
