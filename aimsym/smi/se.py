@@ -122,10 +122,10 @@ RESEED_STEPS = 4
 # every entry's remaining distance is below STAT_STOP of its fixed point's replica error (near a
 # transition, where the map contracts critically slowly and that error is large, the relative tol
 # alone asks for digits far below it); the distance left is folded into Q_stderr
-STAT_STOP = 0.1
 # (not for noiseless discrete outputs (sign, hardmax: generic rank m = 0): their sampled map jumps
 # where a sample's y flips, so a Newton step on it and the fixed point's error from its Jacobian
 # mean nothing; they keep the relative tol and the stall test)
+STAT_STOP = 0.1
 # ... on a steady contraction only: STAT_STEADY steps at rates in [STAT_RATE, 1) within STAT_RATE_SPREAD
 STAT_STEADY = 4
 STAT_RATE = 0.5
@@ -919,7 +919,8 @@ def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, da
     if stop is None and stalled:  # (Newton on a discontinuous map would chase its jumps)
         resp = map_response(ch, Q, alpha, Lam, mask)
     elif stop is None:
-        slack = None if flags.get("noise") is None or not stat_stop(ch) else stat_stop(ch) * flags["noise"]
+        stat = stat_stop(ch)
+        slack = None if flags.get("noise") is None or not stat else stat * flags["noise"]
         Q, resp, distance = newton_polish(ch, Q, alpha, Lam, mask, tol, slack=slack)
     Q_hat_r, psi_r, diag = se_map(ch, Q, alpha, diagnostics=True)
     Q_hat_r = Q_hat_r * mask
@@ -934,7 +935,8 @@ def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, da
         # close enough: within tol (relative) or within STAT_STOP of the fixed point's error, entry
         # by entry; the Newton step left is added to the error
         step = np.abs(resp.unvec(resp.delta, p)) if resp.delta is not None else np.zeros_like(Q_se)
-        close = distance < tol or (stat_stop(ch) > 0 and _within(resp.vec(step), resp.vec(stat_stop(ch) * Q_se)))
+        stat = stat_stop(ch)
+        close = distance < tol or (stat > 0 and _within(resp.vec(step), resp.vec(stat * Q_se)))
         converged = bool(converged and close) or bool(close and resp.stable)
         Q_se = np.sqrt(Q_se**2 + step**2)
     # the quadrature error folded in (conservatively, by its largest share of Q_hat's stderr)
@@ -986,6 +988,7 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
     newton_tries, last_try = 0, 0
     noise, recent = [], []  # the map's relative replica error per step; the last iterates
     growth, escaped = [], np.zeros(Q.shape[0], bool)  # per-step factors of the diagonal; entries jumped
+    stat = stat_stop(ch)  # (0: no stop within the statistical error)
     for it in range(1, max_iter + 1):
         Q_hat_r, _ = se_map(ch, Q, alpha)
         Q_new = q_from_q_hat(Q_hat_r.mean(axis=0) * mask, Lam) * mask
@@ -1021,7 +1024,7 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         # (per diagonal entry: one layer can be escaping while another is already learned)
         d_old, d_new = np.diag(Q), np.diag(Q_new)
         escaping = bool(np.any((d_new < 0.01) & (d_new > 1e-12) & (d_new > d_old * (1 + tol))))
-        slack = stat_stop(ch) * noise_m if stat_stop(ch) > 0 else None
+        slack = stat * noise_m if stat > 0 else None
         if not escaping and _converged(history[start:], tol, np.abs(Q_new - Q), slack, Q_new):
             return Q_new, it, True
         recent.append(Q_new)
