@@ -39,23 +39,3 @@ def test_critically_slow_point_stops_within_its_error():
     assert n1 < 0.6 * n0, (n1, n0)
     assert np.all(np.abs(fast.Q - plain.Q) <= se.STAT_STOP * plain.Q_stderr + 1e-9), (fast.Q, plain.Q)
     assert np.allclose(fast.Q_stderr, plain.Q_stderr, rtol=0.01, atol=1e-12)  # (the step left is a small addition)
-
-
-def test_discrete_outputs_keep_the_relative_tol():
-    """Noiseless discrete outputs (generic rank m = 0: sign, hardmax) have a jumpy sampled map:
-    no stop within the statistical error there (the Newton polish and the fixed point's error
-    from a Jacobian of jumps mean nothing); a smooth link has it."""
-    from types import SimpleNamespace
-
-    def ch(counting):
-        return SimpleNamespace(model=SimpleNamespace(kernels=SimpleNamespace(COUNTING=counting)))
-
-    assert se.stat_stop(ch({"m": 0, "noiseless": True})) == 0.0
-    assert se.stat_stop(ch({"m": 0, "noiseless": False})) == se.STAT_STOP  # (output noise smooths it)
-    assert se.stat_stop(ch({"m": 2, "noiseless": True})) == se.STAT_STOP
-    import aimsym
-    from aimsym.derive.files import derivations_dir
-
-    for name, want in (("glm_sign", 0.0), ("attention_hardmax_L1_T2", 0.0), ("attention_L2_T2", se.STAT_STOP)):
-        m = aimsym.load(derivations_dir() / f"{name}.toml", **({"c": 1.0} if name == "attention_L2_T2" else {}))
-        assert se.stat_stop(SimpleNamespace(model=m)) == want, name

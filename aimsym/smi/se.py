@@ -10,7 +10,9 @@ Expectations. (xi, eta[, noise]) are drawn by scrambled Sobol points mapped thro
 quantile; ``replicas`` independently scrambled copies give standard errors (standard error of
 the replica means). The same points are reused at every iteration (common random numbers), so
 the iterated map is deterministic and smooth in Q and the iteration converges to the fixed
-point of the sampled map.
+point of the sampled map. A noiseless discrete link (sign, hardmax) is not sampled in y: the map
+sums over its finite output set with weights Z_out(y; omega, V) (:mod:`aimsym.smi.outputs`),
+since a sampled y flips as Q moves and makes the map jump.
 
 Free entropy (sign: larger is better, the Bayes-optimal fixed point maximises it):
 
@@ -37,6 +39,8 @@ from ..denoise.channel import MODAL_ONLY
 from ..denoise.output import mean_target_met
 from ..errors import AimsymError, ConvergenceWarning
 from ..provenance import provenance
+from .outputs import MASS_TOL, discrete, output_set
+from .outputs import weights as output_weights
 from .passes import Passes, as_passes, channel_key
 
 # Gauss-Hermite nodes per reduced dimension used by default in SE (cheaper than the denoiser's
@@ -122,19 +126,11 @@ RESEED_STEPS = 4
 # every entry's remaining distance is below STAT_STOP of its fixed point's replica error (near a
 # transition, where the map contracts critically slowly and that error is large, the relative tol
 # alone asks for digits far below it); the distance left is folded into Q_stderr
-# (not for noiseless discrete outputs (sign, hardmax: generic rank m = 0): their sampled map jumps
-# where a sample's y flips, so a Newton step on it and the fixed point's error from its Jacobian
-# mean nothing; they keep the relative tol and the stall test)
 STAT_STOP = 0.1
 # ... on a steady contraction only: STAT_STEADY steps at rates in [STAT_RATE, 1) within STAT_RATE_SPREAD
 STAT_STEADY = 4
 STAT_RATE = 0.5
 STAT_RATE_SPREAD = 0.1
-# a stalled iteration (see _stalled): STALL_STEPS steps below STALL_FRACTION of the map's replica
-# standard error without a drift of more than STALL_DRIFT mean steps
-STALL_STEPS = 12
-STALL_FRACTION = 0.5
-STALL_DRIFT = 0.3
 # the coarse pass hands over to the full rule once some 1 - Q_kk is below this (see state_evolution)
 COARSE_NEAR_ONE = 0.05
 # a Newton step in the iteration (_iterate, _newton_jump) after NEWTON_AFTER steps shrinking at a
@@ -270,28 +266,54 @@ class Channel:
             y = y + np.sqrt(self.model.noise) * noise.reshape(y.shape)
         return omega, np.eye(self.p) - Qc, y
 
+    @property
+    def outputs(self) -> np.ndarray | None:
+        """The finite output set of a noiseless discrete link (the SE sums over it instead of
+        sampling y: :mod:`aimsym.smi.outputs`); None for other links."""
+        return output_set(self.model)
+
     def denoise(self, Q: np.ndarray):
         """Denoiser output at every point at overlap Q (flattened batch R * n). Samples whose
         error estimate stays above the denoiser's tol are recomputed by the mode-centred rule
         (:func:`rescue`)."""
         R, n = self.points.shape[:2]
-        V = np.eye(self.p) - clip_overlap(Q)
-        modal = _modal(self.model, SE_TOL) if np.linalg.eigvalsh(V).max() <= MODAL_BELOW else None
-        if self.passes is not None:
-            if self._pass_key is None:
-                self._pass_key = channel_key(self.model, self.den, self.points)
-            out = self.passes.load(self._pass_key, Q)
-            if out is not None:  # made before (a resumed run): the same bits as computing it
-                self.used = modal or self.den
-                if self.on_pass is not None:
-                    self.on_pass(R * n)
-                return out, R, n
         omega, V, y = self.observe(Q)
         om = omega.reshape(R * n, self.p, self.T)
         if self.uses_observation:
             args, kw = (None, om, V), {"obs": y.reshape(R * n, -1)}
         else:
             args, kw = (y.reshape(R * n, *y.shape[2:]), om, V), {}
+        return self._run(Q, args, kw, ""), R, n
+
+    def denoise_outputs(self, Q: np.ndarray):
+        """The denoiser at every point and every output of :attr:`outputs` (K of them), as a batch
+        ordered (R, K, n): returns (out, R, n, K); sum over y with weights exp(log_z_out)."""
+        Y = self.outputs
+        K = Y.shape[0]
+        R, n = self.points.shape[:2]
+        xi, _, _ = self.split()
+        omega = sqrt_psd(clip_overlap(Q)) @ xi
+        om = np.broadcast_to(omega[:, None], (R, K, n, self.p, self.T)).reshape(R * K * n, self.p, self.T)
+        y = np.broadcast_to(Y[None, :, None], (R, K, n) + Y.shape[1:]).reshape((R * K * n,) + Y.shape[1:])
+        V = np.eye(self.p) - clip_overlap(Q)
+        return self._run(Q, (np.ascontiguousarray(y), np.ascontiguousarray(om), V), {}, "|outputs"), R, n, K
+
+    def _run(self, Q, args, kw, key_suffix: str):
+        """One denoiser pass (kept in, or replayed from, :attr:`passes`)."""
+        V = np.eye(self.p) - clip_overlap(Q)
+        modal = _modal(self.model, SE_TOL) if np.linalg.eigvalsh(V).max() <= MODAL_BELOW else None
+        batch = self.points.shape[0] * self.points.shape[1]  # (progress counts expectation points)
+        key = None
+        if self.passes is not None:
+            if self._pass_key is None:
+                self._pass_key = channel_key(self.model, self.den, self.points)
+            key = self._pass_key + key_suffix
+            out = self.passes.load(key, Q)
+            if out is not None:  # made before (a resumed run): the same bits as computing it
+                self.used = modal or self.den
+                if self.on_pass is not None:
+                    self.on_pass(batch)
+                return out
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
             out = (modal or self.den)(*args, **kw)
@@ -302,10 +324,10 @@ class Channel:
         self.used = modal or self.den
         _rewarn(caught, out, getattr(self.used, "tol", None), getattr(self.used, "mean_tol", None))
         if self.passes is not None:
-            self.passes.save(self._pass_key, Q, out)
+            self.passes.save(key, Q, out)
         if self.on_pass is not None:
-            self.on_pass(R * n)
-        return out, R, n
+            self.on_pass(batch)
+        return out
 
 
 def _modal(model, tol):
@@ -452,41 +474,81 @@ def denoiser_accuracy(model, nodes=None, polar=None, samples: int | None = None)
     return out
 
 
+def denoised(ch: Channel, Q: np.ndarray):
+    """The denoiser at overlap Q as (out, R, n, W): out holds R * n samples; W (R, n) weighs them
+    (None: plain means). For a discrete link the samples are (point, output) pairs, n = K * points,
+    W = K * P(y | omega, V), so that a plain mean over n of W f is E_y[f] at each point."""
+    if ch.outputs is None:
+        out, R, n = ch.denoise(Q)
+        return out, R, n, None
+    out, R, n, K = ch.denoise_outputs(Q)
+    w = output_weights(out.log_z_out).reshape(R, K * n)
+    return out, R, K * n, K * w
+
+
+def output_sum(W: np.ndarray, K: int) -> dict:
+    """Diagnostics of the sum over a discrete link's K outputs: the smallest total probability of
+    an expectation point (1 when the output set is complete), with a warning below 1 - MASS_TOL."""
+    R = W.shape[0]
+    mass = float((W.reshape(R, K, -1).sum(axis=1) / K).min())
+    if mass < 1.0 - MASS_TOL:
+        warnings.warn(f"SE sum over the outputs: an expectation point has total output probability {mass:.6g} "
+                      f"< 1 (the output set read from the link misses an output)", RuntimeWarning, stacklevel=3)
+    return {"outputs": K, "output_mass_min": mass,
+            "output_note": f"exact sum over the link's {K} outputs (y not sampled: the map is smooth in Q)"}
+
+
+def _weighted_mean(W, x):
+    """Mean over axis 1 of x (R, n, ...), weighted by W (R, n) (None: plain); impossible outputs
+    (W = 0) count 0 whatever their (non-finite) denoiser values."""
+    if W is None:
+        return x.mean(axis=1)
+    Wb = W.reshape(W.shape + (1,) * (x.ndim - 2))
+    return np.where(Wb > 0, Wb * np.where(Wb > 0, x, 0.0), 0.0).mean(axis=1)
+
+
 def se_map(ch: Channel, Q: np.ndarray, alpha: float, *, diagnostics: bool = False):
     """One SE output step at Q: replica values of Q_hat (R, p, p) and of Psi_out (R,).
     ``diagnostics``: also a dict with the Nishimori residual and the denoiser's error estimate."""
-    out, R, n = ch.denoise(Q)
+    out, R, n, W = denoised(ch, Q)
     g = out.g_out.reshape(R, n, ch.p, ch.T)
-    gg_r = np.einsum("rnkt,rnlt->rkl", g, g) / n
+    gg_r = _weighted_mean(W, np.einsum("rnkt,rnlt->rnkl", g, g))
     Q_hat_r = alpha * gg_r
-    psi_r = out.log_z_out.reshape(R, n).mean(axis=1)
+    psi_r = _weighted_mean(W, out.log_z_out.reshape(R, n))
     _check_finite(Q_hat_r, "Q_hat")
     if not diagnostics:
         return sym(Q_hat_r), psi_r
     dg = out.dg_out.reshape(R, n, ch.p, ch.T, ch.p, ch.T)
     summary = quadrature_summary(out, ch.used or ch.den)
+    if W is not None:
+        summary.update(output_sum(W, ch.outputs.shape[0]))
     err = getattr(out, "error", None)
     finer = finer_rule(ch.model, ch.used or ch.den) if err is None else None
     if finer is not None:  # a fixed rule: its error per sample against the rule with twice the nodes
         from ..denoise.output import difference
 
-        fine, _, _ = replace(ch, den=finer, on_pass=None).denoise(Q)
+        fine = denoised(replace(ch, den=finer, on_pass=None), Q)[0]
         err = difference(out.g_out, out.dg_out, fine.g_out, fine.dg_out, out.log_z_out, fine.log_z_out)
+        if W is not None:
+            err = np.where(W.ravel() > 0, err, 0.0)
         summary.update(quadrature_error_max=float(np.max(err)), quadrature_error_median=float(np.median(err)),
                        quadrature_note="fixed rule: its error estimated against twice its nodes (at the fixed point)")
-    return sym(Q_hat_r), psi_r, {**nishimori_residual(gg_r, np.einsum("rnktlt->rkl", dg) / n,
-                                                      nishimori_quadrature(g, dg, err)), **summary,
-                                 **quadrature_share(g, err, alpha, Q_hat_r)}
+    return sym(Q_hat_r), psi_r, {**nishimori_residual(gg_r, _weighted_mean(W, np.einsum("rnktlt->rnkl", dg)),
+                                                      nishimori_quadrature(g, dg, err, W)), **summary,
+                                 **quadrature_share(g, err, alpha, Q_hat_r, W)}
 
 
-def nishimori_quadrature(g: np.ndarray, dg: np.ndarray, err) -> np.ndarray | None:
+def nishimori_quadrature(g: np.ndarray, dg: np.ndarray, err, W=None) -> np.ndarray | None:
     """First-order bound (p, p) of the quadrature error of the Nishimori residual from the
     per-sample estimates e_n (relative to max(1, |g_n|) and max(1, |dg_n|)): g (R, n, p, T), dg
-    (R, n, p, T, p, T). None without estimates."""
+    (R, n, p, T, p, T); W (R, n) the samples' weights (None: 1). None without estimates."""
     if err is None:
         return None
     R, n, p, T = g.shape
     e = np.asarray(err, dtype=float).reshape(R, n)
+    if W is not None:
+        e = np.where(W > 0, W * e, 0.0)
+        g, dg = (np.where(W.reshape((R, n) + (1,) * (x.ndim - 2)) > 0, x, 0.0) for x in (g, dg))
     dg_abs = e * np.maximum(1.0, np.abs(g).max(axis=(2, 3)))  # each entry of g_out
     ddg_abs = e * np.maximum(1.0, np.abs(dg).reshape(R, n, -1).max(axis=2))  # each entry of dg_out
     a = np.abs(g).sum(axis=3)  # sum_t |g_kt|
@@ -551,14 +613,18 @@ def finer_rule(model, den):
     return model.denoiser(**acc)
 
 
-def quadrature_share(g: np.ndarray, err, alpha: float, Q_hat_r: np.ndarray) -> dict:
+def quadrature_share(g: np.ndarray, err, alpha: float, Q_hat_r: np.ndarray, W=None) -> dict:
     """First-order bound of the quadrature error of the diagonal of Q_hat = alpha E[sum_t g g^T]
     from the per-sample estimates (relative to max(1, |g|)), against its replica standard error:
-    their largest ratio is ``quadrature_to_statistical`` (> 1: the quadrature error dominates)."""
+    their largest ratio is ``quadrature_to_statistical`` (> 1: the quadrature error dominates).
+    W (R, n): the samples' weights (None: 1)."""
     if err is None:
         return {"quadrature_Q_hat_bound": None, "quadrature_to_statistical": None}
     R, n = g.shape[:2]
     err = np.asarray(err, dtype=float).reshape(R, n)
+    if W is not None:
+        err = np.where(W > 0, W * err, 0.0)
+        g = np.where(W[..., None, None] > 0, g, 0.0)
     dg = err * np.maximum(1.0, np.abs(g).max(axis=(2, 3)))  # (R, n) absolute error of each g entry
     a = np.abs(g).sum(axis=3)  # (R, n, p): sum_t |g_kt|
     bound = 2.0 * alpha * np.einsum("rn,rnk->k", dg, a) / (R * n)  # diagonal entries Q_hat_kk
@@ -743,12 +809,6 @@ def newton_polish(ch: Channel, Q: np.ndarray, alpha: float, Lam: np.ndarray, mas
     return Q, resp, dist
 
 
-def stat_stop(ch) -> float:
-    """STAT_STOP for a channel whose sampled map is smooth in Q; 0 for noiseless discrete outputs."""
-    counting = getattr(getattr(ch.model, "kernels", None), "COUNTING", None) or {}
-    return 0.0 if counting.get("m") == 0 and counting.get("noiseless") else STAT_STOP
-
-
 def _within(x, slack) -> bool:
     return slack is not None and bool(np.all(x <= slack))
 
@@ -910,17 +970,13 @@ def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, da
         it += n_it
         if stop is not None and stop(Q):
             break
-    stalled = bool(flags.get("stalled"))
-    if stop is None and not stalled:
+    if stop is None:
         Q, n_it, converged = _reseed(ch, Q, alpha, Lam, mask, damping, tol, max_iter - it, history, anderson,
                                      init_eps, converged)
         it += n_it
     distance = None
-    if stop is None and stalled:  # (Newton on a discontinuous map would chase its jumps)
-        resp = map_response(ch, Q, alpha, Lam, mask)
-    elif stop is None:
-        stat = stat_stop(ch)
-        slack = None if flags.get("noise") is None or not stat else stat * flags["noise"]
+    if stop is None:
+        slack = None if flags.get("noise") is None else STAT_STOP * flags["noise"]
         Q, resp, distance = newton_polish(ch, Q, alpha, Lam, mask, tol, slack=slack)
     Q_hat_r, psi_r, diag = se_map(ch, Q, alpha, diagnostics=True)
     Q_hat_r = Q_hat_r * mask
@@ -935,8 +991,7 @@ def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, da
         # close enough: within tol (relative) or within STAT_STOP of the fixed point's error, entry
         # by entry; the Newton step left is added to the error
         step = np.abs(resp.unvec(resp.delta, p)) if resp.delta is not None else np.zeros_like(Q_se)
-        stat = stat_stop(ch)
-        close = distance < tol or (stat > 0 and _within(resp.vec(step), resp.vec(stat * Q_se)))
+        close = distance < tol or _within(resp.vec(step), resp.vec(STAT_STOP * Q_se))
         converged = bool(converged and close) or bool(close and resp.stable)
         Q_se = np.sqrt(Q_se**2 + step**2)
     # the quadrature error folded in (conservatively, by its largest share of Q_hat's stderr)
@@ -957,9 +1012,8 @@ def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, da
     accuracy = {**ch.den.accuracy, "denoiser_rule": getattr(ch.den, "rule", None),
                 "denoiser_tol": getattr(ch.den, "tol", None), "samples": int(ch.points.shape[0] * ch.points.shape[1]),
                 "replicas": int(ch.points.shape[0]), "rule": "scrambled Sobol (randomised QMC)",
-                "tol": tol, "convergence": (f"stalled: the sampled map cycles within {STALL_FRACTION} of its replica "
-                                            f"standard error (discrete outputs); Q is the mean of the cycle" if stalled
-                                            else "relative to min(Q_kk, 1 - Q_kk)"),
+                "tol": tol, "convergence": "relative to min(Q_kk, 1 - Q_kk), or within STAT_STOP of the "
+                                           "fixed point's replica error",
                 "perfect_resolution": PERFECT_RESOLUTION, "damping": damping, "max_iter": max_iter,
                 "Q_stderr": "replica error of the fixed point: one step's spread amplified by (I - J)^{-1}, times "
                             "sqrt(1 + s^2), s = diagnostics.quadrature_to_statistical",
@@ -978,7 +1032,7 @@ def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, da
 def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=3, stop=None, flags=None,
              watch=None):
     """Damped fixed-point iteration of the SE map; returns (Q, iterations, converged).
-    ``flags["stalled"]`` is set when it ends on a stalled cycle (:func:`_stalled`). ``watch(Q,
+    ``flags["noise"]``: the map's replica error (p, p) at the last step. ``watch(Q,
     Q_new)``: ends the iteration when true (not converged), unlike ``stop`` without changing its
     steps (the escape and Newton jumps stay on)."""
     start = len(history)
@@ -986,14 +1040,11 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
     active = np.diag(mask) > 0
     shrinking, jumped, last_rate = 0, False, None
     newton_tries, last_try = 0, 0
-    noise, recent = [], []  # the map's relative replica error per step; the last iterates
     growth, escaped = [], np.zeros(Q.shape[0], bool)  # per-step factors of the diagonal; entries jumped
-    stat = stat_stop(ch)  # (0: no stop within the statistical error)
     for it in range(1, max_iter + 1):
         Q_hat_r, _ = se_map(ch, Q, alpha)
         Q_new = q_from_q_hat(Q_hat_r.mean(axis=0) * mask, Lam) * mask
         noise_m = _map_noise(Q_hat_r, Lam, mask)
-        noise.append(relative_size(noise_m, Q_new))
         if flags is not None:
             flags["noise"] = noise_m
         # near Q = I the map is homogeneous in V = I - Q: a steady contraction of every 1 - Q_kk
@@ -1024,17 +1075,8 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         # (per diagonal entry: one layer can be escaping while another is already learned)
         d_old, d_new = np.diag(Q), np.diag(Q_new)
         escaping = bool(np.any((d_new < 0.01) & (d_new > 1e-12) & (d_new > d_old * (1 + tol))))
-        slack = stat * noise_m if stat > 0 else None
-        if not escaping and _converged(history[start:], tol, np.abs(Q_new - Q), slack, Q_new):
+        if not escaping and _converged(history[start:], tol, np.abs(Q_new - Q), STAT_STOP * noise_m, Q_new):
             return Q_new, it, True
-        recent.append(Q_new)
-        if not escaping and _stalled(history[start:], noise, recent):
-            # a map sampled at fixed points is discontinuous in Q where the outputs are discrete
-            # (a sample's y flips): it cycles within a fraction of its own standard error
-            # instead of converging; the mean of the cycle is the fixed point to that accuracy
-            if flags is not None:
-                flags["stalled"] = True
-            return np.mean(recent[-STALL_STEPS:], axis=0), it, True
         if stop is not None and stop(Q_new):
             return Q_new, it, False
         Q_plain = damping * Q + (1 - damping) * Q_new
@@ -1194,25 +1236,6 @@ def _map_noise(Q_hat_r, Lam, mask) -> np.ndarray:
     return mean_and_stderr(Q_r)[1]
 
 
-def relative_size(M: np.ndarray, Q: np.ndarray) -> float:
-    """max_kl |M_kl| / sqrt(s_k s_l), s = :func:`error_scale` of Q (the units of :func:`relative_step`)."""
-    s = np.sqrt(error_scale(Q))
-    return float(np.max(np.abs(M) / np.outer(s, s)))
-
-
-def _stalled(history, noise, recent) -> bool:
-    """The last STALL_STEPS steps all below STALL_FRACTION of the map's own standard error, with
-    no drift: the mean of the last STALL_STEPS iterates moved from that of the STALL_STEPS before
-    by less than STALL_DRIFT times a mean step (a monotone approach moves by ~STALL_STEPS steps).
-    A cycle, not a convergence."""
-    if len(history) < 2 * STALL_STEPS or len(recent) < 2 * STALL_STEPS:
-        return False
-    last = history[-STALL_STEPS:]
-    drift = relative_step(np.mean(recent[-2 * STALL_STEPS:-STALL_STEPS], axis=0),
-                          np.mean(recent[-STALL_STEPS:], axis=0))
-    return max(last) < STALL_FRACTION * min(noise[-STALL_STEPS:]) and drift < STALL_DRIFT * np.mean(last)
-
-
 def _converged(history, tol, step=None, slack=None, Q=None) -> bool:
     """Distance to the fixed point (in :func:`relative_step` units), extrapolated from the
     geometric rate of the last two steps, below tol; or, entry by entry (``step`` (p, p), the last
@@ -1225,8 +1248,7 @@ def _converged(history, tol, step=None, slack=None, Q=None) -> bool:
         return False
     if last / (1.0 - rate) < tol:
         return True
-    # (only on a steady contraction: a map whose outputs are discrete cycles within its noise with
-    # erratic steps, and is left to the stall test, where no Newton polish chases its jumps)
+    # (only on a steady contraction, where the extrapolated distance means something)
     if slack is None or not _steady_rates(history, STAT_STEADY, STAT_RATE, STAT_RATE_SPREAD):
         return False
     s = np.sqrt(error_scale(Q))
