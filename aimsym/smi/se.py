@@ -106,6 +106,17 @@ PERFECT_NEAR = 2e-2
 PERFECT_RATE = 0.98
 PERFECT_RATE_SPREAD = 0.02
 PERFECT_STEPS = 5
+# ... or, closer to the local stability of Q = I (rates up to PERFECT_RATE_SLOW: two layers at
+# skip 1, alpha = 1.075, ~0.985 per step, 500 steps short of the resolution), PERFECT_STEPS_SLOW
+# steps; on either path the Aitken limit of 1 - Q_kk must stay below PERFECT_LIMIT of 1 - Q_kk
+# (a fixed point 1 - Q* below that share of 1 - Q where the window sits is not told from I)
+PERFECT_RATE_SLOW = 0.995
+PERFECT_STEPS_SLOW = 10
+PERFECT_LIMIT = 0.01
+PERFECT_NEAR_SLOW = 0.05  # (every 1 - Q_kk below it)
+# after the jump, PERFECT_CONFIRM steps along which no 1 - Q_kk grows confirm Q = I (stable at the
+# clip): the iteration ends there (the verdict does not wait for V's shape to settle under the clip)
+PERFECT_CONFIRM = 3
 # escape from Q_kk ~ 0 (a layer just above its weak-recovery threshold, from an uninformed or warm
 # start or a re-seed): there the map is linear in the small entry, which grows by a steady factor
 # rho per step (1.07-1.09 for layer 1 of three layers at alpha = 0.9: some 60 steps, each a minute,
@@ -1038,7 +1049,7 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
     start = len(history)
     xs, gs = [], []  # Anderson memory: iterates and their images
     active = np.diag(mask) > 0
-    shrinking, jumped, last_rate = 0, False, None
+    rates, jumped, confirmed = [], False, 0  # per step, e_new / e_old of the active entries on a steady contraction
     newton_tries, last_try = 0, 0
     growth, escaped = [], np.zeros(Q.shape[0], bool)  # per-step factors of the diagonal; entries jumped
     for it in range(1, max_iter + 1):
@@ -1048,16 +1059,20 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         if flags is not None:
             flags["noise"] = noise_m
         # near Q = I the map is homogeneous in V = I - Q: a steady contraction of every 1 - Q_kk
-        # for PERFECT_STEPS steps below PERFECT_NEAR continues to V = 0. Jump to the
-        # resolution there (saving the ~10 steps per decade, each costly where one layer is nearly
-        # known); the map then confirms it, or moves away from I if the contraction was transient
+        # (_perfect_ahead) continues to V = 0. Jump to the resolution there (saving the ~10 steps
+        # per decade, each costly where one layer is nearly known); the map then confirms it
+        # (PERFECT_CONFIRM steps along which no 1 - Q_kk grows), or moves away from I if the
+        # contraction was transient
         e_old, e_new = 1.0 - np.diag(Q), 1.0 - np.diag(Q_new)
-        near = active.any() and np.all(e_new[active] < PERFECT_NEAR) and np.any(e_new[active] > 2 * OVERLAP_EPS)
+        near = (active.any() and np.all(e_new[active] < PERFECT_NEAR_SLOW)
+                and np.any(e_new[active] > 2 * OVERLAP_EPS))
         rate = e_new[active] / np.maximum(e_old[active], OVERLAP_EPS) if near else None
-        steady = rate is not None and np.all(rate <= PERFECT_RATE) and (
-            last_rate is None or np.all(np.abs(rate - last_rate) <= PERFECT_RATE_SPREAD))
-        shrinking, last_rate = (shrinking + 1 if steady else 0), rate
-        if shrinking >= PERFECT_STEPS and not jumped:
+        steady = rate is not None and np.all(rate <= PERFECT_RATE_SLOW) and (
+            not rates or np.all(np.abs(rate - rates[-1]) <= PERFECT_RATE_SPREAD))
+        rates = rates + [rate] if steady else []
+        if jumped:
+            confirmed = confirmed + 1 if np.all(e_new[active] <= e_old[active] * (1 + 1e-9)) else 0
+        elif _perfect_ahead(rates, float(e_new[active].max()) if near else 1.0):
             # scale V = I - Q down along its shape until its smallest diagonal entry sits at the clip
             A = np.ix_(active, active)
             V = np.eye(int(active.sum())) - Q_new[A]
@@ -1065,6 +1080,7 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
             Q_new[A] = np.eye(V.shape[0]) - V * (2 * OVERLAP_EPS / e_new[active].min())
             Q_new = clip_overlap(Q_new) * mask
             jumped = True  # once: at the clip the map is left to settle
+            confirmed = 0
         if stop is None and (Q_esc := _escape_jump(Q, Q_new, growth, escaped, active)) is not None:
             Q_new, xs, gs = Q_esc * mask, [], []
         history.append(relative_step(Q, Q_new))
@@ -1075,7 +1091,8 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         # (per diagonal entry: one layer can be escaping while another is already learned)
         d_old, d_new = np.diag(Q), np.diag(Q_new)
         escaping = bool(np.any((d_new < 0.01) & (d_new > 1e-12) & (d_new > d_old * (1 + tol))))
-        if not escaping and _converged(history[start:], tol, np.abs(Q_new - Q), STAT_STOP * noise_m, Q_new):
+        if not escaping and (confirmed >= PERFECT_CONFIRM
+                             or _converged(history[start:], tol, np.abs(Q_new - Q), STAT_STOP * noise_m, Q_new)):
             return Q_new, it, True
         if stop is not None and stop(Q_new):
             return Q_new, it, False
@@ -1102,6 +1119,29 @@ def _iterate(ch, Q, alpha, Lam, mask, damping, tol, max_iter, history, anderson=
         xs, gs = (xs + [Q])[-anderson - 1:], (gs + [Q_plain])[-anderson - 1:]
         Q = _anderson(xs, gs) if anderson and contracting and len(xs) > 1 else Q_plain
     return Q, max(max_iter, 0), False
+
+
+def _perfect_ahead(rates, e_max: float) -> bool:
+    """The contraction towards Q = I is in its linear regime: every 1 - Q_kk shrinks by a steady
+    factor and its Aitken limit (the limit e* of e_k = 1 - Q_kk if it approaches it
+    geometrically, from three consecutive e) is at most PERFECT_LIMIT of e at every step of the
+    window: PERFECT_STEPS steps at rates up to PERFECT_RATE with every 1 - Q_kk (largest: e_max)
+    below PERFECT_NEAR, or PERFECT_STEPS_SLOW steps at rates up to PERFECT_RATE_SLOW. An approach
+    to a fixed point short of I has rates that creep up towards 1 and a positive limit (y = z at
+    alpha = 0.99: e* = 0.01, half of e where the window starts)."""
+    if e_max < PERFECT_NEAR and len(rates) >= PERFECT_STEPS and np.all(np.array(rates[-PERFECT_STEPS:]) <= PERFECT_RATE):
+        return _limit_near_zero(np.array(rates[-PERFECT_STEPS:]))
+    return len(rates) >= PERFECT_STEPS_SLOW and _limit_near_zero(np.array(rates[-PERFECT_STEPS_SLOW:]))
+
+
+def _limit_near_zero(r: np.ndarray) -> bool:
+    """Aitken's limit e* / e at each step of rates r (steps, entries) at most PERFECT_LIMIT."""
+    r1, r2 = r[:-1], r[1:]
+    # e0, e1, e2 = e2 / (r1 r2), e2 / r2, e2: e* / e2 = 1 - (e2 - e1)^2 / (e2 (e2 - 2 e1 + e0))
+    curve = 1.0 - 2.0 / r2 + 1.0 / (r1 * r2)
+    if np.any(curve <= 0):  # not convex: no geometric approach to read a limit from
+        return False
+    return bool(np.all(1.0 - (1.0 - 1.0 / r2) ** 2 / curve <= PERFECT_LIMIT))
 
 
 def _escape_jump(Q, Q_new, growth, escaped, active) -> np.ndarray | None:
