@@ -39,7 +39,7 @@ from ..denoise.channel import MODAL_ONLY
 from ..denoise.output import mean_target_met
 from ..errors import AimsymError, ConvergenceWarning
 from ..provenance import provenance
-from .outputs import MASS_TOL, discrete, output_set
+from .outputs import MASS_TOL, output_set
 from .outputs import weights as output_weights
 from .passes import Passes, as_passes, channel_key
 
@@ -515,7 +515,7 @@ def _weighted_mean(W, x):
     if W is None:
         return x.mean(axis=1)
     Wb = W.reshape(W.shape + (1,) * (x.ndim - 2))
-    return np.where(Wb > 0, Wb * np.where(Wb > 0, x, 0.0), 0.0).mean(axis=1)
+    return (Wb * np.where(Wb > 0, x, 0.0)).mean(axis=1)
 
 
 def se_map(ch: Channel, Q: np.ndarray, alpha: float, *, diagnostics: bool = False):
