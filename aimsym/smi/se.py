@@ -262,20 +262,24 @@ class Channel:
         underflows to exact zeros (large skip), where y itself is rejected."""
         return uses_observation(self.model, self.den)
 
+    def omega_and_v(self, Q: np.ndarray):
+        """(omega, V) at overlap Q for every point: omega = Q^{1/2} xi (R, n, p, T), V = I - Q
+        (Q clipped)."""
+        Qc = clip_overlap(Q)
+        return sqrt_psd(Qc) @ self.split()[0], np.eye(self.p) - Qc
+
     def observe(self, Q: np.ndarray):
         """(omega, V, obs) at overlap Q for every point: omega (R, n, p, T); obs is y (R, n, *out)
         or, if :attr:`uses_observation`, the reduced observation h (R, n, n_obs)."""
-        xi, eta, noise = self.split()
-        Qc = clip_overlap(Q)
-        S, C = sqrt_psd(Qc), sqrt_psd(np.eye(self.p) - Qc)
-        omega = S @ xi
-        Z = omega + C @ eta
+        _, eta, noise = self.split()
+        omega, V = self.omega_and_v(Q)
+        Z = omega + sqrt_psd(V) @ eta
         if self.uses_observation:
-            return omega, np.eye(self.p) - Qc, self.model.observation(Z)
+            return omega, V, self.model.observation(Z)
         y = self.model.link(Z)
         if self.model.noise > 0:
             y = y + np.sqrt(self.model.noise) * noise.reshape(y.shape)
-        return omega, np.eye(self.p) - Qc, y
+        return omega, V, y
 
     @property
     def outputs(self) -> np.ndarray | None:
@@ -302,11 +306,9 @@ class Channel:
         Y = self.outputs
         K = Y.shape[0]
         R, n = self.points.shape[:2]
-        xi, _, _ = self.split()
-        omega = sqrt_psd(clip_overlap(Q)) @ xi
+        omega, V = self.omega_and_v(Q)
         om = np.broadcast_to(omega[:, None], (R, K, n, self.p, self.T)).reshape(R * K * n, self.p, self.T)
         y = np.broadcast_to(Y[None, :, None], (R, K, n) + Y.shape[1:]).reshape((R * K * n,) + Y.shape[1:])
-        V = np.eye(self.p) - clip_overlap(Q)
         return self._run(Q, (np.ascontiguousarray(y), np.ascontiguousarray(om), V), {}, "|outputs"), R, n, K
 
     def _run(self, Q, args, kw, key_suffix: str):
