@@ -479,7 +479,7 @@ class Denoiser:
         z_2 (z_2 - z_1), i.e. a union of the six wedges cut by z_1 = 0, z_2 = 0, z_1 = z_2.
         On each wedge the radial integrals of r^k N(r e; omega, v I) are closed forms
         (erfcx, stable in the tail); the angle is integrated by Gauss-Legendre (smooth)."""
-        from scipy.special import erfcx
+        from scipy.special import erfc, erfcx
 
         y = np.asarray(y, dtype=float)
         if y.shape[-2:] != (2, 2) or not np.all(np.isin(y, (0.0, 1.0))) or np.any(y.sum(axis=-1) != 1):
@@ -504,9 +504,15 @@ class Denoiser:
             e = np.stack([np.cos(th), np.sin(th)], axis=1)  # (n_angle, 2)
             c = w @ e.T  # (n, n_angle)
             a = c / np.sqrt(v)[:, None]
-            m = np.sqrt(np.pi / 2) * erfcx(-a / np.sqrt(2))  # sqrt(2 pi) Phi(a) e^{a^2/2}
-            I1, I2, I3 = 1 + a * m, a + (1 + a**2) * m, a**2 + 2 + (a**3 + 3 * a) * m  # times e^{-a^2/2}
-            logw = -0.5 * ((w**2).sum(axis=1)[:, None] / v[:, None]) + np.log(0.5 * (a1 - a0) * wt)[None, :]
+            # m = sqrt(2 pi) Phi(a) e^{a^2/2} overflows far in the tail (a ~ 40): the integrals carry
+            # e^{-s}, s = max(a, 0)^2 / 2, and the log weight e^{+s} (their product is finite)
+            pos = a > 0
+            s = np.where(pos, 0.5 * a**2, 0.0)
+            m = np.sqrt(np.pi / 2) * np.where(pos, erfc(-a / np.sqrt(2)), erfcx(np.abs(a) / np.sqrt(2)))  # m e^{-s}
+            es = np.exp(-s)
+            I1, I2, I3 = es + a * m, a * es + (1 + a**2) * m, (a**2 + 2) * es + (a**3 + 3 * a) * m  # times e^{-a^2/2 - s}
+            logw = (-0.5 * ((w**2).sum(axis=1)[:, None] / v[:, None]) + s
+                    + np.log(0.5 * (a1 - a0) * wt)[None, :])
             logs.append(np.where(inside[:, None], logw, -np.inf))
             terms.append((I1, I2, I3, e))
         big = np.max(np.concatenate(logs, axis=1), axis=1)
