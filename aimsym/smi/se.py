@@ -506,7 +506,7 @@ def output_sum(W: np.ndarray, K: int) -> dict:
     mass = float((W.reshape(R, K, -1).sum(axis=1) / K).min())
     if mass < 1.0 - MASS_TOL:
         warnings.warn(f"SE sum over the outputs: an expectation point has total output probability {mass:.6g} "
-                      f"< 1 (the output set read from the link misses an output)", RuntimeWarning, stacklevel=3)
+                      f"< 1 (an output missing from the set read from the link, or the denoiser's error on P(y | omega, V))", RuntimeWarning, stacklevel=3)
     return {"outputs": K, "output_mass_min": mass,
             "output_note": f"exact sum over the link's {K} outputs (y not sampled: the map is smooth in Q)"}
 
