@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_untied
 spec hash: d8a6e2bfe6d0f663
-generator: 0.1.0+abc6f1e735
+generator: 0.1.0+6c03f384ac
 denoiser path: exact (untied softmax last layer: y fixes q d^T (d: key differences); query integrated exactly, key marginalised analytically down to d; reduced integral of dimension 5)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'd8a6e2bfe6d0f663'
-GENERATOR_VERSION = '0.1.0+abc6f1e735'
+GENERATOR_VERSION = '0.1.0+6c03f384ac'
 NAME = 'attention_L2_T2_untied'
 P = 4
 T = 2
@@ -57,7 +57,7 @@ HAS_MARGINAL = True  # a compile-time constant: a Gaussian block marginalised an
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0, 1), (2, 3))
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
-# serves a hardmax last layer after a first layer (kind hardmax-wedge-mixed)
+# serves a hardmax last layer (kinds hardmax-wedge and hardmax-wedge-mixed)
 DRIVERS = ('driver',)
 
 # plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)

@@ -2,7 +2,7 @@
 
 model: attention_L2_T3
 spec hash: b0844d41f655f71c
-generator: 0.1.0+abc6f1e735
+generator: 0.1.0+6c03f384ac
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'b0844d41f655f71c'
-GENERATOR_VERSION = '0.1.0+abc6f1e735'
+GENERATOR_VERSION = '0.1.0+6c03f384ac'
 NAME = 'attention_L2_T3'
 P = 2
 T = 3
@@ -57,7 +57,7 @@ HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised a
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,), (1,))
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
-# serves a hardmax last layer after a first layer (kind hardmax-wedge-mixed)
+# serves a hardmax last layer (kinds hardmax-wedge and hardmax-wedge-mixed)
 DRIVERS = ('driver',)
 
 # plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)

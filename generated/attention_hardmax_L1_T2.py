@@ -2,7 +2,7 @@
 
 model: attention_hardmax_L1_T2
 spec hash: f90cb13227cdef10
-generator: 0.1.0+abc6f1e735
+generator: 0.1.0+6c03f384ac
 denoiser path: exact (hardmax, one layer, T = 2: region constraint (union of wedges), closed form)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'f90cb13227cdef10'
-GENERATOR_VERSION = '0.1.0+abc6f1e735'
+GENERATOR_VERSION = '0.1.0+6c03f384ac'
 NAME = 'attention_hardmax_L1_T2'
 P = 1
 T = 2
@@ -57,8 +57,8 @@ HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised a
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,),)
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
-# serves a hardmax last layer after a first layer (kind hardmax-wedge-mixed)
-DRIVERS = ('driver',)
+# serves a hardmax last layer (kinds hardmax-wedge and hardmax-wedge-mixed)
+DRIVERS = ('driver', 'hardmax')
 
 # plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)
 INDEX_LABELS = ((1, 0, 'w', 0),)

@@ -2,7 +2,7 @@
 
 model: attention_shared_flow_T2
 spec hash: 90dcd309d0d3b0e1
-generator: 0.1.0+abc6f1e735
+generator: 0.1.0+6c03f384ac
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -35,7 +35,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '90dcd309d0d3b0e1'
-GENERATOR_VERSION = '0.1.0+abc6f1e735'
+GENERATOR_VERSION = '0.1.0+6c03f384ac'
 NAME = 'attention_shared_flow_T2'
 P = 1
 T = 2
@@ -60,7 +60,7 @@ HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised a
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,),)
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
-# serves a hardmax last layer after a first layer (kind hardmax-wedge-mixed)
+# serves a hardmax last layer (kinds hardmax-wedge and hardmax-wedge-mixed)
 DRIVERS = ('driver',)
 
 # plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)

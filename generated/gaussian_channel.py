@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+abc6f1e735
+generator: 0.1.0+6c03f384ac
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+abc6f1e735'
+GENERATOR_VERSION = '0.1.0+6c03f384ac'
 NAME = 'gaussian_channel'
 P = 1
 T = 1
@@ -50,7 +50,7 @@ HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised a
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ()
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
-# serves a hardmax last layer after a first layer (kind hardmax-wedge-mixed)
+# serves a hardmax last layer (kinds hardmax-wedge and hardmax-wedge-mixed)
 DRIVERS = ('driver',)
 
 # plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)

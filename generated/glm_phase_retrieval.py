@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+abc6f1e735
+generator: 0.1.0+6c03f384ac
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+abc6f1e735'
+GENERATOR_VERSION = '0.1.0+6c03f384ac'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1
@@ -50,7 +50,7 @@ HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised a
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,),)
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
-# serves a hardmax last layer after a first layer (kind hardmax-wedge-mixed)
+# serves a hardmax last layer (kinds hardmax-wedge and hardmax-wedge-mixed)
 DRIVERS = ('driver',)
 
 # plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)

@@ -2,7 +2,7 @@
 
 model: hardmax_L2_T2
 spec hash: 7508f35d33687fef
-generator: 0.1.0+abc6f1e735
+generator: 0.1.0+6c03f384ac
 denoiser path: exact (hardmax last layer after a tied rank-one first layer, T = 2: region constraint (z_2 in a union of wedges depending on z_1), 2-D integral over z_1)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '7508f35d33687fef'
-GENERATOR_VERSION = '0.1.0+abc6f1e735'
+GENERATOR_VERSION = '0.1.0+6c03f384ac'
 NAME = 'hardmax_L2_T2'
 P = 2
 T = 2
@@ -57,7 +57,7 @@ HAS_MARGINAL = False  # a compile-time constant: a Gaussian block marginalised a
 HAS_POLAR = False  # a compile-time constant: models without the polar rule skip compiling it
 EVEN_ROWS = ((0,), (1,))
 # hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one
-# serves a hardmax last layer after a first layer (kind hardmax-wedge-mixed)
+# serves a hardmax last layer (kinds hardmax-wedge and hardmax-wedge-mixed)
 DRIVERS = ('driver', 'hardmax')
 
 # plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)

@@ -108,7 +108,7 @@ def test_hardmax_one_layer_region_against_polar_quadrature():
     """Independent check of the wedge closed form: scipy dblquad in polar coordinates on each
     of the six wedges whose hardmax pattern matches y."""
     m = load("attention_hardmax_L1_T2")
-    assert m.denoiser().path == "closed-form"
+    assert m.denoiser().path == "exact"
     rng = np.random.default_rng(11)
     _, y = m.sample(3, rng)
     om = rng.normal(size=(3, 1, 2))

@@ -48,7 +48,7 @@ def test_derivation_detects_the_region_reduction():
     assert any("wedges" in n for n in red.notes)
     assert m.summary()["denoiser_path"] == "exact"
     assert m.denoiser().path == "exact"
-    # the one-layer hardmax model keeps its own closed-form reduction
+    # the one-layer hardmax model keeps its own reduction (wedges in z itself)
     assert load(name="attention_hardmax_L1_T2").derivation.reduction.kind == "hardmax-wedge"
 
 
@@ -94,7 +94,8 @@ def test_latex_describes_the_region_reduction():
 
 @pytest.mark.parametrize("a", [-40.0, -12.0, -5.0, -3.0001, -2.9999, -1.0, -1e-3, 0.0, 0.7, 4.0, 25.0])
 def test_radial_moments_against_mpmath(a):
-    """log(e^{-a^2/2} K_1), K_2/K_1, K_3/K_1 with K_k = int_0^inf r^k e^{-r^2/2 + a r} dr."""
+    """log(e^{-a^2/2} K_1) and the moments E[t], E[t^2] of t = r - a under r e^{-r^2/2 + a r}
+    (K_k = int_0^inf r^k e^{-r^2/2 + a r} dr: K_2/K_1 - a, K_3/K_1 - 2 a K_2/K_1 + a^2)."""
     k = load().kernels
     out = np.empty(3)
     k.hm_radial(a, out)
@@ -102,16 +103,18 @@ def test_radial_moments_against_mpmath(a):
     cuts = [0, 1, a, mp.inf] if a > 1 else [0, 1 / max(1.0, abs(a)), 1, mp.inf]
     K = [mp.quad(lambda r, j=j: r**j * mp.exp(-r * r / 2 + a * r), cuts) for j in (1, 2, 3)]
     assert abs(out[0] - float(-a * a / 2 + mp.log(K[0]))) <= 1e-13 * max(1.0, a * a)
-    assert out[1] == pytest.approx(float(K[1] / K[0]), rel=1e-13)
-    assert out[2] == pytest.approx(float(K[2] / K[0]), rel=1e-13)
+    assert out[1] == pytest.approx(float(K[1] / K[0] - a), rel=1e-13)
+    assert out[2] == pytest.approx(float(K[2] / K[0] - 2 * a * K[1] / K[0] + a * a), rel=1e-13)
 
 
 @pytest.mark.parametrize("R,psi,span", [(0.4, 0.3, 2.5), (3.0, -0.2, 0.8), (3.0, 1.2, 1.0), (12.0, 0.05, 0.3),
-                                         (12.0, 0.9, 0.6), (25.0, 2.0, 2.0), (25.0, -2.9, 0.4), (40.0, 1.5, 0.2)])
+                                         (12.0, 0.9, 0.6), (25.0, 2.0, 2.0), (25.0, -2.9, 0.4), (40.0, 1.5, 0.2),
+                                         (60.0, -1.5, 1.2), (60.0, -2.4, 1.6)])
 def test_single_wedge_against_two_dimensional_quadrature(R, psi, span):
     """Probability, mean and second moment of N(mu, I) on a wedge, including far tails
-    (P ~ e^{-300}), against scipy dblquad (radius and angle both numerical) of the integrand
-    scaled by its maximum over the wedge."""
+    (P ~ e^{-300}) and wedges on either side of mu's direction, against scipy dblquad (radius
+    and angle both numerical) of the integrand scaled by its maximum over the wedge. The kernel
+    gives the moments of d = x - mu."""
     k = load().kernels
     mu = R * np.array([np.cos(0.4), np.sin(0.4)])
     th0 = 0.4 + psi  # the wedge starts psi away from the direction of mu
@@ -139,13 +142,13 @@ def test_single_wedge_against_two_dimensional_quadrature(R, psi, span):
         return tot
 
     P = mom(lambda th, r: 1.0)
-    E = [mom(lambda th, r: r * np.cos(th)) / P, mom(lambda th, r: r * np.sin(th)) / P]
-    E2 = mom(lambda th, r: r * r * np.cos(th) * np.sin(th)) / P
+    d = [mom(lambda th, r: r * np.cos(th) - mu[0]) / P, mom(lambda th, r: r * np.sin(th) - mu[1]) / P]
+    d01 = mom(lambda th, r: (r * np.cos(th) - mu[0]) * (r * np.sin(th) - mu[1])) / P
     assert logP == pytest.approx(np.log(P / (2 * np.pi)) + shift, abs=1e-10 * max(1, abs(logP)))
-    scale = max(abs(E[0]), abs(E[1]))
-    assert abs(acc[2] / acc[1] - E[0]) < 1e-9 * scale
-    assert abs(acc[3] / acc[1] - E[1]) < 1e-9 * scale
-    assert abs(acc[5] / acc[1] - E2) < 1e-9 * scale**2 + 1e-12
+    scale = max(1.0, abs(d[0]), abs(d[1]))
+    assert abs(acc[2] / acc[1] - d[0]) < 1e-9 * scale
+    assert abs(acc[3] / acc[1] - d[1]) < 1e-9 * scale
+    assert abs(acc[5] / acc[1] - d01) < 1e-9 * scale**2
 
 
 # ----------------------------------------------------------------------------- the channel

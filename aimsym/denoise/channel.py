@@ -88,6 +88,10 @@ POLAR_MODEL_GH_NODES = 20
 GH_CHECK_TOL = 1e-10
 # error target of the default denoiser (model.denoiser() without rule sizes), see ``tol``
 DEFAULT_TOL = 1e-8
+# rounding of the one-layer hardmax wedge moments, per unit of (1 + |omega| / sqrt(v) +
+# |E[z - omega]|^2 / v, |log Z|): measured up to 5e-15 (dg_out v off by 7e-13 at |omega| / sqrt(v)
+# = 1.4e4, and by 4e-10 at |E[z - omega]| = 250 sd)
+WEDGE_ROUNDING = 64 * np.finfo(float).eps
 # growth of the rules per refinement level: the inverse of the check's 3/4, so each level is
 # checked against the previous one as the main rule is against the check (fewer nodes than
 # x1.5 per level: docs/tuning.md)
@@ -224,9 +228,7 @@ class Denoiser:
         self._pT = (model.p, model.tokens)  # (spec properties, recomputed on every access)
         self.params = model.params_array()
         self.dim = int(self.kernels.INTEGRAL_DIM)
-        self.path = {"noisy": "generic", "halfspace": "closed-form",
-                     "hardmax-wedge": "closed-form",
-                     "hardmax-wedge-mixed": "exact"}.get(self.kernels.PATH, "exact")
+        self.path = {"noisy": "generic", "halfspace": "closed-form"}.get(self.kernels.PATH, "exact")
         if self.kernels.PATH in MODAL_ONLY:  # (the tensor rules do not carry a marginalised block)
             rule = self.rule = "modal"
         # the certified rule (the chamber rule within ``aimsym.denoise.modal``) by default where
@@ -267,7 +269,8 @@ class Denoiser:
         if isinstance(tol, str):
             if tol != "auto":
                 raise ChannelError("tol", f"must be a positive number, None or 'auto'; got {tol!r}")
-            tol = DEFAULT_TOL if ((defaults or rule == "modal") and self.path == "exact" and self.dim > 0) else None
+            tol = DEFAULT_TOL if ((defaults or rule == "modal") and self.path == "exact"
+                                  and (self.dim > 0 or self.kernels.PATH == "hardmax-wedge")) else None
         self.tol = _check_tol(tol)
         self._rule_cache = {}
         self._tables = {}  # node tables of the mapped polar rule per rule size (``_node_tables``)
@@ -278,6 +281,12 @@ class Denoiser:
 
     @property
     def accuracy(self) -> dict:
+        acc = self._accuracy()
+        if self.kernels.PATH == "hardmax-wedge":  # Gauss-Legendre nodes per graded angle piece (x1.5 per refinement)
+            acc["wedge"] = self._wedge_nodes()
+        return acc
+
+    def _accuracy(self) -> dict:
         return {"path": self.path, "integral_dim": self.dim, "nodes_per_dim": self.nodes,
                 "adapt": self.adapt, "inflate": self.inflate, "polar": self.polar,
                 "polar_map": self.polar_map if self.polar else None,
@@ -293,6 +302,12 @@ class Denoiser:
                 # the polar domain is sized on the posterior of u (``_sized_run``)
                 "polar_domain": ({"edge_tol": EDGE_TOL, "growth": DOMAIN_GROWTH, "max_growth": MAX_DOMAIN_GROWTH,
                                   "fits": DOMAIN_FITS, "posterior_off_sd": POSTERIOR_OFF} if self.polar else None)}
+
+    @staticmethod
+    def _wedge_nodes() -> int:
+        from .hardmax_channel import DEFAULT_WEDGE
+
+        return DEFAULT_WEDGE
 
     def _polar_tables(self, sizes):
         """Legendre rule: (cos, sin, log weight) of every angle node over the sectors; both rules:
@@ -376,7 +391,7 @@ class Denoiser:
         if self.kernels.PATH == "halfspace":
             return self._halfspace(y, omega, V)
         if self.kernels.PATH == "hardmax-wedge":
-            return self._wedges(y, omega, V)
+            return self._wedges(y, omega, V, error, tol, max_refine)
         if self.kernels.PATH == "hardmax-wedge-mixed":  # (model.denoiser() builds it directly)
             from .hardmax_channel import HardmaxMixedDenoiser
 
@@ -474,63 +489,57 @@ class Denoiser:
         return DenoiserOutput(g_out=g[..., None], dg_out=dg.reshape(*w.shape[:-1], p, 1, p, 1),
                               log_z_out=log_z, ess=np.full(log_z.shape, np.inf), path=self.path)
 
-    def _wedges(self, y, omega, V, n_angle: int = 40) -> DenoiserOutput:
+    def _wedges(self, y, omega, V, error: bool, tol, max_refine: int) -> DenoiserOutput:
         """One hardmax layer, T = 2, rank one: y fixes the signs of z_1 (z_1 - z_2) and
         z_2 (z_2 - z_1), i.e. a union of the six wedges cut by z_1 = 0, z_2 = 0, z_1 = z_2.
-        On each wedge the radial integrals of r^k N(r e; omega, v I) are closed forms
-        (erfcx, stable in the tail); the angle is integrated by Gauss-Legendre (smooth)."""
-        from scipy.special import erfc, erfcx
+        On each wedge the radial integrals are closed forms and the angle is integrated on
+        pieces graded away from the integrand's peak (the hardmax driver's ``hm_wedge``, shared
+        with the hardmax-last-layer path). The error estimate is the difference to the rule of
+        3/4 the wedge nodes, relative to the prior's scales of g_out and dg_out (1 / sqrt(v),
+        1 / v) when v < 1, at least the rounding (WEDGE_ROUNDING); ``tol`` refines (wedge nodes
+        x1.5) where it is exceeded."""
+        from .hardmax_channel import DEFAULT_WEDGE, one_layer_wedges, output_mask, wedge_patterns
 
-        y = np.asarray(y, dtype=float)
-        if y.shape[-2:] != (2, 2) or not np.all(np.isin(y, (0.0, 1.0))) or np.any(y.sum(axis=-1) != 1):
-            raise ChannelError("y", "a hardmax output must have rows with a single 1 and zeros elsewhere")
-        batch = np.broadcast_shapes(y.shape[:-2], omega.shape[:-2], V.shape[:-2] if V.ndim > 2 else ())
-        yb = np.broadcast_to(y, (*batch, 2, 2)).reshape(-1, 2, 2)
+        if not hasattr(self, "_patterns"):
+            self._patterns = wedge_patterns(np.sign(float(self.kernels.last_beta(self.params))))
+        mask = output_mask(y, self._patterns)
+        batch = np.broadcast_shapes(mask.shape[:-1], omega.shape[:-2], V.shape[:-2] if V.ndim > 2 else ())
+        mask = np.ascontiguousarray(np.broadcast_to(mask, (*batch, 6)).reshape(-1, 6))
         w = np.broadcast_to(omega, (*batch, 1, 2)).reshape(-1, 2)
-        v = np.broadcast_to(V, (*batch, 1, 1)).reshape(-1)
+        v = np.broadcast_to(V, (*batch, 1, 1)).reshape(-1).copy()
         if np.any(~(v > 0)):
             raise ChannelError("V", "must be positive")
-        edges = np.array([0, 1, 2, 4, 5, 6, 8]) * np.pi / 4
-        t, wt = np.polynomial.legendre.leggauss(n_angle)
-        n = len(w)
-        Z0, Z1, Z2 = np.zeros(n), np.zeros((n, 2)), np.zeros((n, 2, 2))
-        logs, terms = [], []
-        for a0, a1 in zip(edges[:-1], edges[1:]):
-            mid = np.array([np.cos((a0 + a1) / 2), np.sin((a0 + a1) / 2)])
-            pattern = np.outer(mid, mid)
-            hm = (pattern == pattern.max(axis=1, keepdims=True)).astype(float)  # hardmax of the wedge
-            inside = np.all(yb == hm, axis=(1, 2))
-            th = 0.5 * (a0 + a1) + 0.5 * (a1 - a0) * t
-            e = np.stack([np.cos(th), np.sin(th)], axis=1)  # (n_angle, 2)
-            c = w @ e.T  # (n, n_angle)
-            a = c / np.sqrt(v)[:, None]
-            # m = sqrt(2 pi) Phi(a) e^{a^2/2} overflows far in the tail (a ~ 40): the integrals carry
-            # e^{-s}, s = max(a, 0)^2 / 2, and the log weight e^{+s} (their product is finite)
-            pos = a > 0
-            s = np.where(pos, 0.5 * a**2, 0.0)
-            m = np.sqrt(np.pi / 2) * np.where(pos, erfc(-a / np.sqrt(2)), erfcx(np.abs(a) / np.sqrt(2)))  # m e^{-s}
-            es = np.exp(-s)
-            I1, I2, I3 = es + a * m, a * es + (1 + a**2) * m, (a**2 + 2) * es + (a**3 + 3 * a) * m  # times e^{-a^2/2 - s}
-            logw = (-0.5 * ((w**2).sum(axis=1)[:, None] / v[:, None]) + s
-                    + np.log(0.5 * (a1 - a0) * wt)[None, :])
-            logs.append(np.where(inside[:, None], logw, -np.inf))
-            terms.append((I1, I2, I3, e))
-        big = np.max(np.concatenate(logs, axis=1), axis=1)
-        if np.any(~np.isfinite(big)):
-            raise ChannelError("y", "has zero likelihood under the model (no wedge matches)")
-        sv = np.sqrt(v)
-        for lw, (I1, I2, I3, e) in zip(logs, terms):
-            k = np.exp(lw - big[:, None]) / (2 * np.pi)
-            Z0 += (k * I1).sum(axis=1)
-            Z1 += np.einsum("na,ai->ni", k * I2, e) * sv[:, None]
-            Z2 += np.einsum("na,ai,aj->nij", k * I3, e, e) * v[:, None, None]
-        mean = Z1 / Z0[:, None]
-        cov = Z2 / Z0[:, None, None] - np.einsum("ni,nj->nij", mean, mean)
-        g = (mean - w) / v[:, None]
-        dg = cov / v[:, None, None] ** 2 - np.eye(2)[None] / v[:, None, None]
-        log_z = big + np.log(Z0)
+        wedge = DEFAULT_WEDGE
+        g, dg, lz = one_layer_wedges(self.kernels, mask, w, v, wedge)
+        err = None
+        if error or tol is not None:
+            def estimate(idx, g, dg, lz, wedge):  # against the rule of 3/4 the wedge nodes
+                vi = v[idx]
+                g2, dg2, lz2 = one_layer_wedges(self.kernels, mask[idx], w[idx], vi, wedge - wedge // 4)
+                # on the scales of g_out and dg_out (1 / sqrt(v), 1 / v: the prior's), at least the
+                # rounding: of the angles, at R = |omega| / sqrt(v) sd from the origin, and of
+                # moments about omega that lie |d| = sqrt(v) |g| sd from it
+                R = np.sqrt((w[idx] ** 2).sum(axis=1) / vi)
+                rounding = WEDGE_ROUNDING * np.maximum(1.0 + R + vi * (g**2).sum(axis=1), np.abs(lz))
+                return np.maximum(difference(g, dg, g2, dg2, lz, lz2, np.maximum(1.0, vi**-0.5),
+                                             np.maximum(1.0, 1.0 / vi)), rounding)
+
+            err = estimate(slice(None), g, dg, lz, wedge)
+            for _ in range(max_refine if tol is not None else 0):
+                bad = np.flatnonzero(~(err <= tol))
+                if not bad.size:
+                    break
+                wedge = int(np.ceil(1.5 * wedge))
+                gb, dgb, lzb = one_layer_wedges(self.kernels, mask[bad], w[bad], v[bad], wedge)
+                err[bad] = estimate(bad, gb, dgb, lzb, wedge)
+                g[bad], dg[bad], lz[bad] = gb, dgb, lzb
+            if tol is not None and np.any(~(err <= tol)):
+                warnings.warn(f"denoiser: {int(np.sum(~(err <= tol)))} of {len(err)} samples did not reach tol={tol:g} "
+                              f"(largest estimated error {np.nanmax(err):.1e}; {max_refine} refinements of the wedge "
+                              f"angle rule)", RuntimeWarning, stacklevel=3)
+            err = err.reshape(batch)
         return DenoiserOutput(g_out=g.reshape(*batch, 1, 2), dg_out=dg.reshape(*batch, 1, 2, 1, 2),
-                              log_z_out=log_z.reshape(batch), ess=np.full(batch, np.inf), path=self.path)
+                              log_z_out=lz.reshape(batch), ess=np.full(batch, np.inf), error=err, path=self.path)
 
     def _estimate(self, obs, omega, V, g, dg, extra, level, dom):
         """Error estimate per sample: the Gauss-Hermite check where it was accepted, else the

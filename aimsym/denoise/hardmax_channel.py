@@ -54,6 +54,44 @@ def wedge_patterns(beta_sign: float) -> np.ndarray:
     return out
 
 
+def output_mask(y, patterns) -> np.ndarray:
+    """(..., 6) boolean: the wedges (of ``wedge_patterns``) whose hardmax output is y; checks y."""
+    y = np.asarray(y, dtype=float)
+    if y.shape[-2:] != (2, 2):
+        raise ChannelError("y", f"expected shape (..., 2, 2), got {y.shape}")
+    if not np.all(np.isfinite(y)):
+        raise ChannelError("y", "contains NaN or infinite entries")
+    if not np.all(np.isin(y, (0.0, 1.0))) or np.any(y.sum(axis=-1) != 1):
+        raise ChannelError("y", "a hardmax output must have rows with a single 1 and zeros elsewhere")
+    m = np.all(y[..., None, :, :] == patterns, axis=(-2, -1))
+    if not np.all(m.any(axis=-1)):
+        bad = int(np.argmax(~m.reshape(-1, 6).any(axis=1)))
+        raise ChannelError("y", f"sample {bad}: this hardmax pattern has probability zero under the model "
+                                f"(possible: {', '.join(str(p.astype(int).tolist()) for p in np.unique(patterns, axis=0))})")
+    return m
+
+
+def one_layer_wedges(kernels, mask, w, v, wedge: int):
+    """One hardmax layer (kind hardmax-wedge): z ~ N(w, v I) in the plane restricted to the
+    wedges in mask (n, 6); returns g_out (n, 2), dg_out (n, 2, 2), log_z_out (n), from the
+    truncated moments of z - w in units of sqrt(v) (``hm_one_layer_batch``, ``wedge`` nodes per piece)."""
+    n = len(w)
+    sv = np.sqrt(v)
+    res = np.empty((n, 6))
+    status = np.empty(n, dtype=np.int64)
+    kernels.hm_one_layer_batch(np.ascontiguousarray(w / sv[:, None]), mask, *np.polynomial.legendre.leggauss(wedge),
+                               res, status)
+    if np.any(status):
+        i = int(np.flatnonzero(status)[0])
+        raise ChannelError("y", f"sample {i}: has zero likelihood at this omega, V (|omega| / sqrt(V) too large)")
+    d = res[:, 1:3]  # E[x] - mu, x = z / sqrt(v), mu = w / sqrt(v) (no cancellation when |mu| is large)
+    dd = np.stack([res[:, 3], res[:, 4], res[:, 4], res[:, 5]], axis=1).reshape(n, 2, 2)
+    cov = dd - np.einsum("ni,nj->nij", d, d)  # of x (= that of z over v)
+    g = d / sv[:, None]
+    dg = (cov - np.eye(2)) / v[:, None, None]
+    return g, dg, res[:, 0].copy()
+
+
 def _sizes(value, name, default, length):
     if value is None or (isinstance(value, str) and value == "auto"):
         return default
@@ -112,19 +150,7 @@ class HardmaxMixedDenoiser:
 
     def mask(self, y) -> np.ndarray:
         """(..., 6) boolean: the v-plane wedges whose hardmax output is y; checks y."""
-        y = np.asarray(y, dtype=float)
-        if y.shape[-2:] != (2, 2):
-            raise ChannelError("y", f"expected shape (..., 2, 2), got {y.shape}")
-        if not np.all(np.isfinite(y)):
-            raise ChannelError("y", "contains NaN or infinite entries")
-        if not np.all(np.isin(y, (0.0, 1.0))) or np.any(y.sum(axis=-1) != 1):
-            raise ChannelError("y", "a hardmax output must have rows with a single 1 and zeros elsewhere")
-        m = np.all(y[..., None, :, :] == self.patterns, axis=(-2, -1))
-        if not np.all(m.any(axis=-1)):
-            bad = int(np.argmax(~m.reshape(-1, 6).any(axis=1)))
-            raise ChannelError("y", f"sample {bad}: this hardmax pattern has probability zero under the model "
-                                    f"(possible: {', '.join(str(p.astype(int).tolist()) for p in np.unique(self.patterns, axis=0))})")
-        return m
+        return output_mask(y, self.patterns)
 
     def __call__(self, y, omega, V, *, error: bool = False, obs=None, tol: float | None = None,
                  max_refine: int = 3):

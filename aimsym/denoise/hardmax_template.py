@@ -48,17 +48,18 @@ HM_EDGES = np.array([0.0, 1.0, 2.0, 4.0, 5.0, 6.0, 8.0]) * (0.25 * math.pi)
 @njit(cache=True)
 def hm_radial(a, out):
     """Radial moments of the unit-variance Gaussian along a ray: with
-    K_k(a) = int_0^inf rho^k exp(-rho^2/2 + a rho) d rho, writes out[0] = log(e^{-a^2/2} K_1),
-    out[1] = K_2 / K_1, out[2] = K_3 / K_1 (stable for any a)."""
+    K_k(a) = int_0^inf rho^k exp(-rho^2/2 + a rho) d rho, writes out[0] = log(e^{-a^2/2} K_1)
+    and the moments of t = rho - a under rho K_1^{-1} e^{-rho^2/2 + a rho}: out[1] = E[t],
+    out[2] = E[t^2] (centred on the ray's peak: no cancellation when a is large; stable for
+    any a)."""
     if a >= 0.0:
+        # int_{-a}^inf (t + a) t^k e^{-t^2/2} dt: E + a Pn, Pn, 2 E + a Pn (k = 0, 1, 2)
         E = math.exp(-0.5 * a * a)
         Pn = math.sqrt(2.0 * math.pi) * 0.5 * math.erfc(-a / math.sqrt(2.0))  # sqrt(2 pi) Phi(a)
         J1 = E + a * Pn
-        J2 = a * E + (1.0 + a * a) * Pn
-        J3 = (a * a + 2.0) * E + (a * a * a + 3.0 * a) * Pn
         out[0] = math.log(J1)
-        out[1] = J2 / J1
-        out[2] = J3 / J1
+        out[1] = Pn / J1
+        out[2] = (2.0 * E + a * Pn) / J1
         return
     if a >= HM_TAIL:
         m = math.sqrt(0.5 * math.pi) * math.erfc(-a / math.sqrt(2.0)) * math.exp(0.5 * a * a)  # K_0
@@ -89,8 +90,9 @@ def hm_radial(a, out):
         K2 = K1 * c2
         K3 = K2 * c3
     out[0] = -0.5 * a * a + math.log(K1)
-    out[1] = K2 / K1
-    out[2] = K3 / K1
+    # a < 0: every term below is positive
+    out[1] = K2 / K1 - a
+    out[2] = K3 / K1 - 2.0 * a * (K2 / K1) + a * a
 
 
 @njit(cache=True)
@@ -110,8 +112,9 @@ def hm_scale(R, psi):
 @njit(cache=True)
 def hm_piece(mu0, mu1, lo, hi, phi, gx, gw, acc, rad):
     """Gauss-Legendre on the angle piece [lo, hi] (angles relative to phi, the direction of
-    mu): adds exp(log-integrand - acc[0]) times (1, E[rho e], E[rho^2 e e^T]) to acc[1:7],
-    rescaling the running maximum acc[0]."""
+    mu): adds exp(log-integrand - acc[0]) times (1, E[d], E[d d^T]) to acc[1:7], d = x - mu
+    the offset from the Gaussian's centre (small where the weight is: no cancellation far
+    from the origin), rescaling the running maximum acc[0]."""
     half = 0.5 * (hi - lo)
     mid = 0.5 * (hi + lo)
     for i in range(gx.shape[0]):
@@ -129,12 +132,15 @@ def hm_piece(mu0, mu1, lo, hi, phi, gx, gw, acc, rad):
                     acc[k] *= f
             acc[0] = L
         wt = math.exp(L - acc[0])
+        # d = x - mu = t e - b e_perp, e = (c, s), e_perp = (-s, c), t = rho - a
+        t1 = rad[1]
+        t2 = rad[2]
         acc[1] += wt
-        acc[2] += wt * rad[1] * c
-        acc[3] += wt * rad[1] * s
-        acc[4] += wt * rad[2] * c * c
-        acc[5] += wt * rad[2] * c * s
-        acc[6] += wt * rad[2] * s * s
+        acc[2] += wt * (t1 * c + b * s)
+        acc[3] += wt * (t1 * s - b * c)
+        acc[4] += wt * (t2 * c * c + 2.0 * b * t1 * c * s + b * b * s * s)
+        acc[5] += wt * (t2 * c * s + b * t1 * (s * s - c * c) - b * b * c * s)
+        acc[6] += wt * (t2 * s * s - 2.0 * b * t1 * c * s + b * b * c * c)
 
 
 @njit(cache=True)
@@ -172,27 +178,17 @@ def hm_wedge(mu0, mu1, th0, th1, gx, gw, acc, rad):
     elif p0 < math.pi < p1:  # the minimum (psi = pi) inside: graded from both ends
         hm_graded(mu0, mu1, R, phi, p0, math.pi, gx, gw, acc, rad)
         hm_graded(mu0, mu1, R, phi, p1, math.pi, gx, gw, acc, rad)
-    elif p1 <= math.pi:  # decreasing on [p0, p1]
-        hm_graded(mu0, mu1, R, phi, p0, p1, gx, gw, acc, rad)
-    else:  # increasing on [p0, p1] (towards 2 pi)
+    elif p1 <= 0.0 or p0 >= math.pi:  # increasing on [p0, p1] (towards 0 or 2 pi): graded from p1
         hm_graded(mu0, mu1, R, phi, p1, p0, gx, gw, acc, rad)
+    else:  # decreasing on [p0, p1] (within [0, pi])
+        hm_graded(mu0, mu1, R, phi, p0, p1, gx, gw, acc, rad)
 
 
 @njit(cache=True)
-def hm_region(u0, u1, mu0, mu1, mask, params, gx, gw, res, acc, rad, M, uu):
-    """Given u: log P(w in the region of y | u) (res[0]) and, in units of s, the truncated
-    moments E[rho e | u, y] (res[1:3]) and E[rho^2 e e^T | u, y] (res[3:6]: 00, 01, 11).
-    Returns False if M_1(u) is singular or not finite (zero weight). uu, M: work arrays."""
-    uu[0] = u0
-    uu[1] = u1
-    mixing(uu, params, M)
-    det = M[0, 0] * M[1, 1] - M[0, 1] * M[1, 0]
-    if not (det != 0.0 and math.isfinite(det)):
-        return False
-    i00 = M[1, 1] / det
-    i01 = -M[0, 1] / det
-    i10 = -M[1, 0] / det
-    i11 = M[0, 0] / det
+def hm_masked(mu0, mu1, i00, i01, i10, i11, det, mask, gx, gw, acc, rad):
+    """Accumulates into acc (see hm_piece) the wedges of the v-plane selected by mask, mapped
+    back to the w-plane by the inverse (i00, i01; i10, i11) of the mixing matrix (of
+    determinant det), for w ~ N(mu, I)."""
     acc[0] = -math.inf
     for k in range(1, 7):
         acc[k] = 0.0
@@ -215,12 +211,55 @@ def hm_region(u0, u1, mu0, mu1, mask, params, gx, gw, res, acc, rad, M, uu):
         if span <= 0.0:
             continue
         hm_wedge(mu0, mu1, t0, t0 + span, gx, gw, acc, rad)
+
+
+@njit(cache=True)
+def hm_moments(acc, res):
+    """res[0] = log P(region) (with the 2 pi restored), res[1:6] = the truncated moments of
+    d = x - mu: E[d] (2) and E[d d^T] (00, 01, 11); False if the region has no weight."""
     if not (acc[1] > 0.0):
         return False
     res[0] = acc[0] + math.log(acc[1]) - HM_LOG_2PI
     for k in range(5):
         res[1 + k] = acc[2 + k] / acc[1]
     return True
+
+
+@njit(cache=True)
+def hm_region(u0, u1, mu0, mu1, mask, params, gx, gw, res, acc, rad, M, uu):
+    """Given u: log P(w in the region of y | u) (res[0]) and, in units of s, the truncated
+    moments E[rho e | u, y] (res[1:3]) and E[rho^2 e e^T | u, y] (res[3:6]: 00, 01, 11).
+    Returns False if M_1(u) is singular or not finite (zero weight). uu, M: work arrays."""
+    uu[0] = u0
+    uu[1] = u1
+    mixing(uu, params, M)
+    det = M[0, 0] * M[1, 1] - M[0, 1] * M[1, 0]
+    if not (det != 0.0 and math.isfinite(det)):
+        return False
+    hm_masked(mu0, mu1, M[1, 1] / det, -M[0, 1] / det, -M[1, 0] / det, M[0, 0] / det, det, mask, gx, gw, acc, rad)
+    if not hm_moments(acc, res):
+        return False
+    # moments about the origin: x = mu + d
+    d0 = res[1]
+    d1 = res[2]
+    res[1] = mu0 + d0
+    res[2] = mu1 + d1
+    res[3] += 2.0 * mu0 * d0 + mu0 * mu0
+    res[4] += mu0 * d1 + mu1 * d0 + mu0 * mu1
+    res[5] += 2.0 * mu1 * d1 + mu1 * mu1
+    return True
+
+
+@njit(cache=True, parallel=True)
+def hm_one_layer_batch(mu, mask, gx, gw, res, status):
+    """One hardmax layer (kind hardmax-wedge, no mixing): per sample, w ~ N(mu, I) restricted to
+    the wedges in mask; res as in hm_moments (moments of x - mu), status 3 where the region has
+    no weight."""
+    for i in prange(mu.shape[0]):
+        acc = np.empty(7)
+        rad = np.empty(3)
+        hm_masked(mu[i, 0], mu[i, 1], 1.0, 0.0, 0.0, 1.0, 1.0, mask[i], gx, gw, acc, rad)
+        status[i] = 0 if hm_moments(acc, res[i]) else 3
 
 
 @njit(cache=True)

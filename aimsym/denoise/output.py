@@ -18,12 +18,12 @@ class DenoiserOutput:
     polar: np.ndarray | None = None  # (...) True where the polar rule was used (else Gauss-Hermite)
 
 
-def difference(g, dg, g2, dg2, lz, lz2) -> np.ndarray:
-    """Per sample: largest difference of g_out and dg_out, relative to their size (at least 1),
-    and of log Z_out (absolute)."""
+def difference(g, dg, g2, dg2, lz, lz2, g_floor=1.0, dg_floor=1.0) -> np.ndarray:
+    """Per sample: largest difference of g_out and dg_out, relative to their size (at least
+    g_floor, dg_floor: 1, or per sample), and of log Z_out (absolute)."""
     n = len(g)
-    gs = np.maximum(1.0, np.abs(g).reshape(n, -1).max(axis=1))
-    ds = np.maximum(1.0, np.abs(dg).reshape(n, -1).max(axis=1))
+    gs = np.maximum(g_floor, np.abs(g).reshape(n, -1).max(axis=1))
+    ds = np.maximum(dg_floor, np.abs(dg).reshape(n, -1).max(axis=1))
     return np.maximum.reduce([np.abs(g - g2).reshape(n, -1).max(axis=1) / gs,
                               np.abs(dg - dg2).reshape(n, -1).max(axis=1) / ds, np.abs(lz - lz2)])
 

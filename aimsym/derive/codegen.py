@@ -633,7 +633,8 @@ def module_source(spec: Spec) -> str:
     names = [s.name for s in d.params]
     polar_angles = _polar_angles(spec, d)
     rows, cols = d.link.shape
-    drivers = ("driver", "hardmax") if red is not None and red.kind == "hardmax-wedge-mixed" else ("driver",)
+    drivers = (("driver", "hardmax") if red is not None and red.kind in ("hardmax-wedge", "hardmax-wedge-mixed")
+               else ("driver",))
     marginal = list(red.marginal) if red is not None else []
     null = [list(map(float, r)) for r in red.marginal_null] if marginal else []
     assert len({k for k, _ in marginal}) <= 1, "marginalised blocks of more than one row are not supported"
@@ -691,7 +692,7 @@ def module_source(spec: Spec) -> str:
         f"HAS_POLAR = {bool(polar_angles)}  # a compile-time constant: models without the polar rule skip compiling it",
         f"EVEN_ROWS = {tuple(tuple(s['rows']) for s in d.symmetries if s['name'] != 'Z -> -Z')!r}",
         "# hand-written drivers appended at load time (aimsym/denoise/drivers.py); the second one",
-        "# serves a hardmax last layer after a first layer (kind hardmax-wedge-mixed)",
+        "# serves a hardmax last layer (kinds hardmax-wedge and hardmax-wedge-mixed)",
         f"DRIVERS = {drivers!r}",
         "",
         "# plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)",
