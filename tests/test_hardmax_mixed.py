@@ -381,3 +381,51 @@ def test_robust_inputs_and_clear_errors():
     with pytest.raises(ChannelError) as err:
         den(y, np.zeros((2, 2)), np.eye(2), tol=-1.0)
     assert err.value.field == "tol"
+
+
+# ----------------------------------------------------------------------------- error estimate
+
+
+def _regime(kind, n, seed):
+    """(y, omega, V) at n points: SE points (V = (1 - q) I), or one layer nearly known
+    (ridge1: V_00 in 1e-4..1e-2; ridge2: V_11 in 1e-4..1e-2), omega ~ N(0, Q), y from Z."""
+    rng = np.random.default_rng(seed)
+    m = load()
+    V = np.zeros((n, 2, 2))
+    if kind == "se":
+        V[:] = rng.uniform(0.05, 0.99, n)[:, None, None] * np.eye(2)
+    else:
+        k = {"ridge1": 0, "ridge2": 1}[kind]
+        V[:, k, k] = 10 ** rng.uniform(-4, -2, n)
+        V[:, 1 - k, 1 - k] = rng.uniform(0.2, 0.9, n)
+    d = np.diagonal(V, axis1=1, axis2=2)
+    om = np.sqrt(1 - d)[:, :, None] * rng.standard_normal((n, 2, 2))
+    Z = om + np.sqrt(d)[:, :, None] * rng.standard_normal((n, 2, 2))
+    return np.asarray(m.link(Z)), om, V
+
+
+def _actual_and_estimate(kind, n, seed, ref_polar):
+    from aimsym.denoise.output import difference
+
+    m = load()
+    y, om, V = _regime(kind, n, seed)
+    out = m.denoiser(polar=(8, 24))(y, om, V, error=True)
+    ref = m.denoiser(polar=ref_polar, wedge=16)(y, om, V)
+    return difference(out.g_out, out.dg_out, ref.g_out, ref.dg_out, out.log_z_out, ref.log_z_out), out.error
+
+
+@pytest.mark.parametrize("kind", ["se", "ridge1"])
+def test_error_estimate_covers_the_actual_error(kind):
+    """The SE's rule (8, 24): its estimate (against rules of 3/4 the size) covers its actual error
+    (against (24, 64), wedge 16) at every point, SE points and the first layer nearly known."""
+    actual, est = _actual_and_estimate(kind, 24, 3, (24, 64))
+    assert np.all(actual <= est), np.max(actual / est)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known defect: with the last layer nearly known (V_11 ~ 1e-4) the "
+                   "inner wedge probability is a step in u of width ~sqrt(V_11); the outer polar rule does "
+                   "not resolve it and the 3/4-rule estimate misses 6 of 100 (by up to 5.4x)")
+def test_error_estimate_with_the_last_layer_nearly_known():
+    actual, est = _actual_and_estimate("ridge2", 100, 4, (48, 128))
+    assert np.mean(actual <= est) >= 0.99, np.sort(actual / est)[-8:]

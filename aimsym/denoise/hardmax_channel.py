@@ -25,10 +25,12 @@ the model's ``mixing`` kernel).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..errors import ChannelError
-from .output import DenoiserOutput
+from .output import DenoiserOutput, difference
 
 # outer polar rule (angle nodes per sector, radial nodes) and Gauss-Legendre nodes per graded
 # angular piece of a wedge; about 1e-9 relative at moderate V (docs/denoiser.md)
@@ -92,6 +94,12 @@ def one_layer_wedges(kernels, mask, w, v, wedge: int):
     return g, dg, res[:, 0].copy()
 
 
+def _tol(tol):
+    if tol is not None and not (isinstance(tol, float | int) and not isinstance(tol, bool) and tol > 0):
+        raise ChannelError("tol", f"must be a positive number or None, got {tol!r}")
+    return None if tol is None else float(tol)
+
+
 def _sizes(value, name, default, length):
     if value is None or (isinstance(value, str) and value == "auto"):
         return default
@@ -120,7 +128,8 @@ class HardmaxMixedDenoiser:
 
     path = "exact"
 
-    def __init__(self, model, *, polar="auto", wedge=None, nodes=None, adapt=None, inflate=None, check_tol=None):
+    def __init__(self, model, *, polar="auto", wedge=None, nodes=None, adapt=None, inflate=None, check_tol=None,
+                 tol=None):
         self.model = model
         self.kernels = model.kernels
         if self.kernels.PATH != "hardmax-wedge-mixed":
@@ -129,6 +138,7 @@ class HardmaxMixedDenoiser:
         self.dim = int(self.kernels.INTEGRAL_DIM)
         self.polar = _sizes(polar, "polar", DEFAULT_POLAR, 2)
         self.wedge = _sizes(wedge, "wedge", DEFAULT_WEDGE, 0)
+        self.tol = _tol(tol)  # the calls' default tol (None: the fixed rule, no estimate)
         beta = float(self.kernels.last_beta(self.params))
         if not (np.isfinite(beta) and beta != 0.0):
             raise ChannelError("beta", f"the hardmax layer's beta must be finite and non-zero, got {beta}")
@@ -137,7 +147,7 @@ class HardmaxMixedDenoiser:
 
     @property
     def accuracy(self) -> dict:
-        return {"path": self.path, "integral_dim": self.dim, "polar": self.polar, "wedge": self.wedge,
+        return {"path": self.path, "integral_dim": self.dim, "polar": self.polar, "wedge": self.wedge, "tol": self.tol,
                 "rule": "polar rule in u = z_1 split on u_1 = 0, u_2 = 0, u_1 = u_2; wedges in z_2 by radial "
                         "closed form and graded Gauss-Legendre in angle"}
 
@@ -152,12 +162,11 @@ class HardmaxMixedDenoiser:
         """(..., 6) boolean: the v-plane wedges whose hardmax output is y; checks y."""
         return output_mask(y, self.patterns)
 
-    def __call__(self, y, omega, V, *, error: bool = False, obs=None, tol: float | None = None,
+    def __call__(self, y, omega, V, *, error: bool = False, obs=None, tol: float | None | str = "default",
                  max_refine: int = 3):
         if obs is not None:
             raise ChannelError("obs", "the hardmax-last-layer path takes y itself (no reduced observation)")
-        if tol is not None and not (isinstance(tol, float | int) and not isinstance(tol, bool) and tol > 0):
-            raise ChannelError("tol", f"must be a positive number, got {tol!r}")
+        tol = self.tol if (isinstance(tol, str) and tol == "default") else _tol(tol)
         if not (isinstance(max_refine, int | np.integer) and 0 <= max_refine <= 10):
             raise ChannelError("max_refine", f"must be an integer in 0..10, got {max_refine!r}")
         omega = np.asarray(omega, dtype=float)
@@ -186,7 +195,7 @@ class HardmaxMixedDenoiser:
             err = self._difference(mask_f, om_f, V_f, polar, wedge, g, dg, extra)
             level = 0
             while tol is not None and level < max_refine:
-                bad = np.flatnonzero(err > tol)
+                bad = np.flatnonzero(~(err <= tol))
                 if not bad.size:
                     break
                 level += 1
@@ -196,6 +205,10 @@ class HardmaxMixedDenoiser:
                 gb, dgb, exb = self._run(mask_f[bad], om_f[bad], Vb, polar, wedge)
                 err[bad] = self._difference(mask_f[bad], om_f[bad], Vb, polar, wedge, gb, dgb, exb)
                 g[bad], dg[bad], extra[bad] = gb, dgb, exb
+            if tol is not None and np.any(~(err <= tol)):
+                warnings.warn(f"denoiser: {int(np.sum(~(err <= tol)))} of {len(err)} samples did not reach tol={tol:g} "
+                              f"(largest estimated error {np.nanmax(err):.1e}; {level} refinements, rule "
+                              f"polar={polar}, wedge={wedge})", RuntimeWarning, stacklevel=2)
             err = err.reshape(batch)
         return DenoiserOutput(
             g_out=g.reshape(*batch, 2, 2),
@@ -211,12 +224,7 @@ class HardmaxMixedDenoiser:
         """Per sample: difference to rules of 3/4 the size, relative to max(1, size)."""
         small = tuple(v - v // 4 for v in polar)
         g2, dg2, ex2 = self._run(mask, omega, V, small, wedge - wedge // 4)
-        n = len(g)
-        gs = np.maximum(1.0, np.abs(g).reshape(n, -1).max(axis=1))
-        ds = np.maximum(1.0, np.abs(dg).reshape(n, -1).max(axis=1))
-        return np.maximum.reduce([np.abs(g - g2).reshape(n, -1).max(axis=1) / gs,
-                                  np.abs(dg - dg2).reshape(n, -1).max(axis=1) / ds,
-                                  np.abs(extra[:, 0] - ex2[:, 0])])
+        return difference(g, dg, g2, dg2, extra[:, 0], ex2[:, 0])
 
     def _run(self, mask, omega, V, polar, wedge):
         n = omega.shape[0]

@@ -481,8 +481,12 @@ def denoiser_accuracy(model, nodes=None, polar=None, samples: int | None = None)
         # only the mode-centred rule carries a marginalised block: its tol follows the SE's Monte
         # Carlo error (a few % at hundreds of points), with a small adaptive budget
         out = {"tol": modal_only_tol(samples), "max_regions": SE_MODAL_REGIONS, "mean_tol": modal_only_tol(samples)}
+    elif getattr(model.kernels, "PATH", "") == "hardmax-wedge-mixed":
+        # its own estimate (rules of 3/4 the size) and refinement (x1.5), to the SE's share of
+        # its statistical error
+        out["tol"] = se_tol(samples)
     elif 0 < dim <= MAX_CONTROLLED_DIM and getattr(model.kernels, "PATH", "") not in (
-            "noisy", "halfspace", "hardmax-wedge", "hardmax-wedge-mixed"):
+            "noisy", "halfspace", "hardmax-wedge"):
         out["tol"] = SE_TOL
     return out
 
