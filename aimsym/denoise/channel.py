@@ -52,7 +52,7 @@ import warnings
 import numpy as np
 
 from ..errors import ChannelError
-from .output import DenoiserOutput, difference, mean_target_met
+from .output import DenoiserOutput, difference, mean_target_met, refine_to_tol
 
 # default Gauss-Hermite points per dimension, by integral dimension (about 1e-9 relative
 # on the bundled models at moderate V, see docs/denoiser.md)
@@ -525,18 +525,13 @@ class Denoiser:
                                              np.maximum(1.0, 1.0 / vi)), rounding)
 
             err = estimate(slice(None), g, dg, lz, wedge)
-            for _ in range(max_refine if tol is not None else 0):
-                bad = np.flatnonzero(~(err <= tol))
-                if not bad.size:
-                    break
-                wedge = int(np.ceil(1.5 * wedge))
-                gb, dgb, lzb = one_layer_wedges(self.kernels, mask[bad], w[bad], v[bad], wedge)
-                err[bad] = estimate(bad, gb, dgb, lzb, wedge)
-                g[bad], dg[bad], lz[bad] = gb, dgb, lzb
-            if tol is not None and np.any(~(err <= tol)):
-                warnings.warn(f"denoiser: {int(np.sum(~(err <= tol)))} of {len(err)} samples did not reach tol={tol:g} "
-                              f"(largest estimated error {np.nanmax(err):.1e}; {max_refine} refinements of the wedge "
-                              f"angle rule)", RuntimeWarning, stacklevel=3)
+
+            def redo(bad, level):  # wedge nodes x1.5 per level
+                n = int(np.ceil(DEFAULT_WEDGE * 1.5**level))
+                g[bad], dg[bad], lz[bad] = one_layer_wedges(self.kernels, mask[bad], w[bad], v[bad], n)
+                return estimate(bad, g[bad], dg[bad], lz[bad], n)
+
+            refine_to_tol(err, tol, max_refine, redo)
             err = err.reshape(batch)
         return DenoiserOutput(g_out=g.reshape(*batch, 1, 2), dg_out=dg.reshape(*batch, 1, 2, 1, 2),
                               log_z_out=lz.reshape(batch), ess=np.full(batch, np.inf), error=err, path=self.path)

@@ -25,12 +25,10 @@ the model's ``mixing`` kernel).
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
 from ..errors import ChannelError
-from .output import DenoiserOutput, difference
+from .output import DenoiserOutput, difference, refine_to_tol
 
 # outer polar rule (angle nodes per sector, radial nodes) and Gauss-Legendre nodes per graded
 # angular piece of a wedge; about 1e-9 relative at moderate V (docs/denoiser.md)
@@ -193,22 +191,14 @@ class HardmaxMixedDenoiser:
         err = None
         if error or tol is not None:
             err = self._difference(mask_f, om_f, V_f, polar, wedge, g, dg, extra)
-            level = 0
-            while tol is not None and level < max_refine:
-                bad = np.flatnonzero(~(err <= tol))
-                if not bad.size:
-                    break
-                level += 1
-                polar = tuple(int(np.ceil(1.5 * v)) for v in polar)
-                wedge = int(np.ceil(1.5 * wedge))
+
+            def redo(bad, level):  # rules x1.5 per level
+                rule = (tuple(int(np.ceil(v * 1.5**level)) for v in polar), int(np.ceil(wedge * 1.5**level)))
                 Vb = V_f if V_f.shape[0] == 1 else V_f[bad]
-                gb, dgb, exb = self._run(mask_f[bad], om_f[bad], Vb, polar, wedge)
-                err[bad] = self._difference(mask_f[bad], om_f[bad], Vb, polar, wedge, gb, dgb, exb)
-                g[bad], dg[bad], extra[bad] = gb, dgb, exb
-            if tol is not None and np.any(~(err <= tol)):
-                warnings.warn(f"denoiser: {int(np.sum(~(err <= tol)))} of {len(err)} samples did not reach tol={tol:g} "
-                              f"(largest estimated error {np.nanmax(err):.1e}; {level} refinements, rule "
-                              f"polar={polar}, wedge={wedge})", RuntimeWarning, stacklevel=2)
+                g[bad], dg[bad], extra[bad] = self._run(mask_f[bad], om_f[bad], Vb, *rule)
+                return self._difference(mask_f[bad], om_f[bad], Vb, *rule, g[bad], dg[bad], extra[bad])
+
+            refine_to_tol(err, tol, max_refine, redo)
             err = err.reshape(batch)
         return DenoiserOutput(
             g_out=g.reshape(*batch, 2, 2),

@@ -31,3 +31,23 @@ def difference(g, dg, g2, dg2, lz, lz2, g_floor=1.0, dg_floor=1.0) -> np.ndarray
 def mean_target_met(err, mean_tol) -> bool:
     """Whether a batch's mean error estimate meets a batch target (``mean_tol``, None: no target)."""
     return mean_tol is not None and err is not None and np.size(err) > 0 and bool(np.mean(err) <= mean_tol)
+
+
+def refine_to_tol(err: np.ndarray, tol, max_refine: int, redo) -> int:
+    """The refinement loop of the wedge paths: while samples exceed tol (at most max_refine times)
+    ``redo(bad, level)`` recomputes them on a finer rule, stores their values and returns their new
+    estimates. Warns with the count still above tol; returns the number of refinements made."""
+    level = 0
+    while tol is not None and level < max_refine:
+        bad = np.flatnonzero(~(err <= tol))
+        if not bad.size:
+            break
+        level += 1
+        err[bad] = redo(bad, level)
+    if tol is not None and np.any(~(err <= tol)):
+        import warnings
+
+        warnings.warn(f"denoiser: {int(np.sum(~(err <= tol)))} of {len(err)} samples did not reach tol={tol:g} "
+                      f"(largest estimated error {np.nanmax(err):.1e}; {level} refinements)", RuntimeWarning,
+                      stacklevel=3)
+    return level
