@@ -477,16 +477,16 @@ def denoiser_accuracy(model, nodes=None, polar=None, samples: int | None = None)
     # rescued by the mode-centred rule); at k >= 3 the mode-centred rule is too slow per sample
     # (docs/tuning.md) and the SE runs the fixed rule, its error unestimated (the result's
     # diagnostics say so)
-    if getattr(getattr(model, "kernels", None), "PATH", "") in MODAL_ONLY:
+    path = getattr(getattr(model, "kernels", None), "PATH", "")  # (test doubles have no kernels)
+    if path in MODAL_ONLY:
         # only the mode-centred rule carries a marginalised block: its tol follows the SE's Monte
         # Carlo error (a few % at hundreds of points), with a small adaptive budget
         out = {"tol": modal_only_tol(samples), "max_regions": SE_MODAL_REGIONS, "mean_tol": modal_only_tol(samples)}
-    elif getattr(model.kernels, "PATH", "") == "hardmax-wedge-mixed":
+    elif path == "hardmax-wedge-mixed":
         # its own estimate (rules of 3/4 the size) and refinement (x1.5), to the SE's share of
         # its statistical error
         out["tol"] = se_tol(samples)
-    elif 0 < dim <= MAX_CONTROLLED_DIM and getattr(model.kernels, "PATH", "") not in (
-            "noisy", "halfspace", "hardmax-wedge"):
+    elif 0 < dim <= MAX_CONTROLLED_DIM and path not in ("noisy", "halfspace", "hardmax-wedge"):
         out["tol"] = SE_TOL
     return out
 
