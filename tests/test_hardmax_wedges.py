@@ -53,13 +53,13 @@ def test_error_estimate_is_honest_and_meets_tol(kind):
 def test_tol_refines_a_coarse_rule(monkeypatch):
     """Started at 4 angle nodes per piece, the far-tail points miss 1e-8; with max_refine=0 the
     estimate says so (and warns), and the default loop refines them to within tol."""
-    import aimsym.denoise.hardmax_channel as hc
+    import aimsym.denoise.channel as channel
 
     m = aimsym.load(derivations_dir() / "attention_hardmax_L1_T2.toml")
     z, om, v = _points("tail", 200, np.random.default_rng(5))
     y = np.asarray(m.link(z[:, None, :]))
     _, _, lz = one_layer_wedges(m.kernels, output_mask(y, wedge_patterns(1.0)), om, v, 96)
-    monkeypatch.setattr(hc, "DEFAULT_WEDGE", 4)
+    monkeypatch.setattr(channel, "DEFAULT_WEDGE", 4)
     den = m.denoiser()
     with pytest.warns(RuntimeWarning, match="did not reach tol"):
         coarse = den(y, om[:, None, :], v[:, None, None], max_refine=0)

@@ -52,6 +52,7 @@ import warnings
 import numpy as np
 
 from ..errors import ChannelError
+from .hardmax_channel import DEFAULT_WEDGE, one_layer_wedges, output_mask, wedge_patterns
 from .output import DenoiserOutput, difference, mean_target_met, refine_to_tol
 
 # default Gauss-Hermite points per dimension, by integral dimension (about 1e-9 relative
@@ -229,6 +230,9 @@ class Denoiser:
         self.params = model.params_array()
         self.dim = int(self.kernels.INTEGRAL_DIM)
         self.path = {"noisy": "generic", "halfspace": "closed-form"}.get(self.kernels.PATH, "exact")
+        # one hardmax layer: the output of each wedge (by the sign of beta)
+        self._patterns = (wedge_patterns(np.sign(float(self.kernels.last_beta(self.params))))
+                          if self.kernels.PATH == "hardmax-wedge" else None)
         if self.kernels.PATH in MODAL_ONLY:  # (the tensor rules do not carry a marginalised block)
             rule = self.rule = "modal"
         # the certified rule (the chamber rule within ``aimsym.denoise.modal``) by default where
@@ -281,13 +285,7 @@ class Denoiser:
 
     @property
     def accuracy(self) -> dict:
-        acc = self._accuracy()
-        if self.kernels.PATH == "hardmax-wedge":  # Gauss-Legendre nodes per graded angle piece (x1.5 per refinement)
-            acc["wedge"] = self._wedge_nodes()
-        return acc
-
-    def _accuracy(self) -> dict:
-        return {"path": self.path, "integral_dim": self.dim, "nodes_per_dim": self.nodes,
+        acc = {"path": self.path, "integral_dim": self.dim, "nodes_per_dim": self.nodes,
                 "adapt": self.adapt, "inflate": self.inflate, "polar": self.polar,
                 "polar_map": self.polar_map if self.polar else None,
                 "polar_radius": POLAR_RADIUS if self.polar else None,
@@ -302,12 +300,9 @@ class Denoiser:
                 # the polar domain is sized on the posterior of u (``_sized_run``)
                 "polar_domain": ({"edge_tol": EDGE_TOL, "growth": DOMAIN_GROWTH, "max_growth": MAX_DOMAIN_GROWTH,
                                   "fits": DOMAIN_FITS, "posterior_off_sd": POSTERIOR_OFF} if self.polar else None)}
-
-    @staticmethod
-    def _wedge_nodes() -> int:
-        from .hardmax_channel import DEFAULT_WEDGE
-
-        return DEFAULT_WEDGE
+        if self.kernels.PATH == "hardmax-wedge":  # Gauss-Legendre nodes per graded angle piece (x1.5 per refinement)
+            acc["wedge"] = DEFAULT_WEDGE
+        return acc
 
     def _polar_tables(self, sizes):
         """Legendre rule: (cos, sin, log weight) of every angle node over the sectors; both rules:
@@ -498,10 +493,6 @@ class Denoiser:
         3/4 the wedge nodes, relative to the prior's scales of g_out and dg_out (1 / sqrt(v),
         1 / v) when v < 1, at least the rounding (WEDGE_ROUNDING); ``tol`` refines (wedge nodes
         x1.5) where it is exceeded."""
-        from .hardmax_channel import DEFAULT_WEDGE, one_layer_wedges, output_mask, wedge_patterns
-
-        if not hasattr(self, "_patterns"):
-            self._patterns = wedge_patterns(np.sign(float(self.kernels.last_beta(self.params))))
         mask = output_mask(y, self._patterns)
         batch = np.broadcast_shapes(mask.shape[:-1], omega.shape[:-2], V.shape[:-2] if V.ndim > 2 else ())
         mask = np.ascontiguousarray(np.broadcast_to(mask, (*batch, 6)).reshape(-1, 6))
