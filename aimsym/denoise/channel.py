@@ -53,7 +53,7 @@ import numpy as np
 
 from ..errors import ChannelError
 from .hardmax_channel import DEFAULT_WEDGE, one_layer_wedges, output_mask, wedge_patterns
-from .output import DenoiserOutput, difference, mean_target_met, refine_to_tol
+from .output import DenoiserOutput, difference, mean_target_met, refine_to_tol, validate_tol
 
 # default Gauss-Hermite points per dimension, by integral dimension (about 1e-9 relative
 # on the bundled models at moderate V, see docs/denoiser.md)
@@ -118,14 +118,6 @@ _STATUS = {
     3: ("y", "has zero likelihood under the model at this omega, V"),
     4: ("omega", "gave a non-finite posterior weight (|omega| or 1/V too large)"),
 }
-
-
-def _check_tol(tol, name: str = "tol"):
-    if tol is None:
-        return None
-    if isinstance(tol, bool) or not (isinstance(tol, float | int) and 0 < tol < 1):
-        raise ChannelError(name, f"must be a number in (0, 1) or None, got {tol!r}")
-    return float(tol)
 
 
 def _rows(V, idx):
@@ -219,7 +211,7 @@ class Denoiser:
         self.max_combinations = _budget("max_combinations", max_combinations, MAX_COMBINATIONS)
         # rule="modal": a target for the mean estimate of a call's batch (refinement of the samples
         # still above tol ends once it holds; the state evolution's error is a mean over its points)
-        self.mean_tol = _check_tol(mean_tol, "mean_tol")
+        self.mean_tol = validate_tol(mean_tol, "mean_tol")
         if isinstance(polar, str):
             if polar != "auto":
                 raise ChannelError("polar", f"must be (angle nodes, radial nodes), None or 'auto'; got {polar!r}")
@@ -275,7 +267,7 @@ class Denoiser:
                 raise ChannelError("tol", f"must be a positive number, None or 'auto'; got {tol!r}")
             tol = DEFAULT_TOL if ((defaults or rule == "modal") and self.path == "exact"
                                   and (self.dim > 0 or self.kernels.PATH == "hardmax-wedge")) else None
-        self.tol = _check_tol(tol)
+        self.tol = validate_tol(tol)
         self._rule_cache = {}
         self._tables = {}  # node tables of the mapped polar rule per rule size (``_node_tables``)
         self._table_lock = threading.Lock()
@@ -380,7 +372,7 @@ class Denoiser:
         except ValueError:
             raise ChannelError("y", f"batch shapes do not match: y (or obs) {lead[-1] if len(lead) > 2 else ()}, "
                                     f"omega {lead[0]}, V {lead[1]}; they must be equal or broadcast") from None
-        tol = self.tol if (isinstance(tol, str) and tol == "default") else _check_tol(tol)
+        tol = self.tol if (isinstance(tol, str) and tol == "default") else validate_tol(tol)
         if isinstance(max_refine, bool) or not (isinstance(max_refine, int | np.integer) and 0 <= max_refine <= 10):
             raise ChannelError("max_refine", f"must be an integer in 0..10, got {max_refine!r}")
         if self.kernels.PATH == "halfspace":

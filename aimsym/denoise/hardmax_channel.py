@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ChannelError
-from .output import DenoiserOutput, difference, refine_to_tol
+from .output import DenoiserOutput, difference, refine_to_tol, validate_tol
 
 # outer polar rule (angle nodes per sector, radial nodes) and Gauss-Legendre nodes per graded
 # angular piece of a wedge; about 1e-9 relative at moderate V (docs/denoiser.md)
@@ -92,12 +92,6 @@ def one_layer_wedges(kernels, mask, w, v, wedge: int):
     return g, dg, res[:, 0].copy()
 
 
-def _tol(tol):
-    if tol is not None and not (isinstance(tol, float | int) and not isinstance(tol, bool) and tol > 0):
-        raise ChannelError("tol", f"must be a positive number or None, got {tol!r}")
-    return None if tol is None else float(tol)
-
-
 def _sizes(value, name, default, length):
     if value is None or (isinstance(value, str) and value == "auto"):
         return default
@@ -136,7 +130,7 @@ class HardmaxMixedDenoiser:
         self.dim = int(self.kernels.INTEGRAL_DIM)
         self.polar = _sizes(polar, "polar", DEFAULT_POLAR, 2)
         self.wedge = _sizes(wedge, "wedge", DEFAULT_WEDGE, 0)
-        self.tol = _tol(tol)  # the calls' default tol (None: the fixed rule, no estimate)
+        self.tol = validate_tol(tol)  # the calls' default tol (None: the fixed rule, no estimate)
         beta = float(self.kernels.last_beta(self.params))
         if not (np.isfinite(beta) and beta != 0.0):
             raise ChannelError("beta", f"the hardmax layer's beta must be finite and non-zero, got {beta}")
@@ -164,7 +158,7 @@ class HardmaxMixedDenoiser:
                  max_refine: int = 3):
         if obs is not None:
             raise ChannelError("obs", "the hardmax-last-layer path takes y itself (no reduced observation)")
-        tol = self.tol if (isinstance(tol, str) and tol == "default") else _tol(tol)
+        tol = self.tol if (isinstance(tol, str) and tol == "default") else validate_tol(tol)
         if not (isinstance(max_refine, int | np.integer) and 0 <= max_refine <= 10):
             raise ChannelError("max_refine", f"must be an integer in 0..10, got {max_refine!r}")
         omega = np.asarray(omega, dtype=float)

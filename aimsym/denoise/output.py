@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ChannelError
+
 
 @dataclass
 class DenoiserOutput:
@@ -16,6 +18,15 @@ class DenoiserOutput:
     error: np.ndarray | None = None  # (...) estimated absolute error of g_out/dg_out
     path: str = ""
     polar: np.ndarray | None = None  # (...) True where the polar rule was used (else Gauss-Hermite)
+
+
+def validate_tol(tol, name: str = "tol"):
+    """A denoiser tolerance: None, or a number in (0, 1)."""
+    if tol is None:
+        return None
+    if isinstance(tol, bool) or not (isinstance(tol, float | int) and 0 < tol < 1):
+        raise ChannelError(name, f"must be a number in (0, 1) or None, got {tol!r}")
+    return float(tol)
 
 
 def difference(g, dg, g2, dg2, lz, lz2, g_floor=1.0, dg_floor=1.0) -> np.ndarray:
