@@ -1,4 +1,5 @@
-"""Batch driver of the hardmax-last-layer denoiser (reduction kind ``hardmax-wedge-mixed``),
+"""Batch driver of the hardmax-last-layer denoiser (reduction kind ``hardmax-wedge-mixed``)
+and of one hardmax layer (kind ``hardmax-wedge``: ``hm_one_layer_batch``, no mixing),
 hand-written once and appended verbatim (below the marker) to the generated module of such
 models, after the common driver, so that numba caches it with the model's ``mixing`` kernel.
 
@@ -21,7 +22,8 @@ def mixing(u, params, M):  # placeholder: the generated kernel of the same name 
 # ---- template begins ----
 # ============================================================================
 # Hardmax last layer after a tied rank-one first layer, T = 2
-# (aimsym/denoise/hardmax_template.py, appended to modules of kind hardmax-wedge-mixed)
+# (aimsym/denoise/hardmax_template.py, appended to modules of kinds hardmax-wedge-mixed and
+# hardmax-wedge; the latter use only the wedge integrals, without mixing)
 # ============================================================================
 #
 # Z = [[u_1, u_2], [w_1, w_2]]: u = z_1 (first layer), w = z_2 (last layer). The last layer sees
