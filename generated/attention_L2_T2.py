@@ -2,7 +2,7 @@
 
 model: attention_L2_T2
 spec hash: 2161f6543159659e
-generator: 0.1.0+6c03f384ac
+generator: 0.1.0+c456bd856e
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '2161f6543159659e'
-GENERATOR_VERSION = '0.1.0+6c03f384ac'
+GENERATOR_VERSION = '0.1.0+c456bd856e'
 NAME = 'attention_L2_T2'
 P = 2
 T = 2

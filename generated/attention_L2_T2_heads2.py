@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_heads2
 spec hash: 4d0ec50932b2b92b
-generator: 0.1.0+6c03f384ac
+generator: 0.1.0+c456bd856e
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '4d0ec50932b2b92b'
-GENERATOR_VERSION = '0.1.0+6c03f384ac'
+GENERATOR_VERSION = '0.1.0+c456bd856e'
 NAME = 'attention_L2_T2_heads2'
 P = 3
 T = 2

@@ -2,7 +2,7 @@
 
 model: attention_L3_T2
 spec hash: a55bd7fb68e63aa4
-generator: 0.1.0+6c03f384ac
+generator: 0.1.0+c456bd856e
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'a55bd7fb68e63aa4'
-GENERATOR_VERSION = '0.1.0+6c03f384ac'
+GENERATOR_VERSION = '0.1.0+c456bd856e'
 NAME = 'attention_L3_T2'
 P = 3
 T = 2

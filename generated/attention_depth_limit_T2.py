@@ -2,7 +2,7 @@
 
 model: attention_depth_limit_T2
 spec hash: 888f785b5c7af144
-generator: 0.1.0+6c03f384ac
+generator: 0.1.0+c456bd856e
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -26,7 +26,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '888f785b5c7af144'
-GENERATOR_VERSION = '0.1.0+6c03f384ac'
+GENERATOR_VERSION = '0.1.0+c456bd856e'
 NAME = 'attention_depth_limit_T2'
 P = 1
 T = 2

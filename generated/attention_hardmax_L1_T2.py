@@ -2,8 +2,8 @@
 
 model: attention_hardmax_L1_T2
 spec hash: f90cb13227cdef10
-generator: 0.1.0+6c03f384ac
-denoiser path: exact (hardmax, one layer, T = 2: region constraint (union of wedges), closed form)
+generator: 0.1.0+c456bd856e
+denoiser path: exact (hardmax, one layer, T = 2: region constraint (union of wedges), closed form in radius)
 
 Spec:
 
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'f90cb13227cdef10'
-GENERATOR_VERSION = '0.1.0+6c03f384ac'
+GENERATOR_VERSION = '0.1.0+c456bd856e'
 NAME = 'attention_hardmax_L1_T2'
 P = 1
 T = 2
@@ -41,7 +41,7 @@ OUTPUT_SHAPE = (2, 2)
 PARAM_NAMES = ()
 PATH = 'hardmax-wedge'
 OBS_KIND = 'y'
-LAST_ACTIVATION = ''
+LAST_ACTIVATION = 'hardmax'
 N_BRANCHES = 0
 FREE = ()
 SOLVED = ((0, 0), (0, 1))
@@ -64,7 +64,7 @@ DRIVERS = ('driver', 'hardmax')
 INDEX_LABELS = ((1, 0, 'w', 0),)
 SIGN_SYMMETRIES = (('layer 1: z_1 -> -z_1', (0,)), ('Z -> -Z', (0,)))
 COUNTING = {'m': 0, 'p': 1, 'alpha_pr': None, 'margin': None, 'noiseless': True, 'note': 'dy/dZ = 0 almost everywhere (discrete output): no perfect recovery at any alpha'}
-REDUCTION_REASON = 'hardmax, one layer, T = 2: region constraint (union of wedges), closed form'
+REDUCTION_REASON = 'hardmax, one layer, T = 2: region constraint (union of wedges), closed form in radius'
 
 
 @njit(cache=True)

@@ -2,7 +2,7 @@
 
 model: mim_product
 spec hash: 256c784af7e77580
-generator: 0.1.0+6c03f384ac
+generator: 0.1.0+c456bd856e
 denoiser path: exact (solved y = g(Z) for z_1_0 (1 branch))
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '256c784af7e77580'
-GENERATOR_VERSION = '0.1.0+6c03f384ac'
+GENERATOR_VERSION = '0.1.0+c456bd856e'
 NAME = 'mim_product'
 P = 2
 T = 1

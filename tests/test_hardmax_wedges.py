@@ -68,3 +68,29 @@ def test_tol_refines_a_coarse_rule(monkeypatch):
     assert np.all(coarse.error[bad] >= np.abs(coarse.log_z_out - lz)[bad])
     out = den(y, om[:, None, :], v[:, None, None])
     assert np.all(out.error <= 1e-8) and np.max(np.abs(out.log_z_out - lz)) < 1e-8
+
+
+def test_negative_beta_wedges_give_the_link_probabilities(tmp_path):
+    """A declared one-layer hardmax model with beta = -2 (the sign decides which wedge gives which
+    output; the reduction used to drop beta and refused the model's own outputs): the three output
+    probabilities sum to one at random omega, V, and match a Monte Carlo of the link."""
+    text = (derivations_dir() / "attention_hardmax_L1_T2.toml").read_text().replace("beta = 1.0", "beta = -2.0")
+    assert "beta = -2.0" in text
+    (tmp_path / "hm_neg.toml").write_text(text)
+    m = aimsym.load(tmp_path / "hm_neg.toml")
+    assert float(m.kernels.last_beta(m.params_array())) == -2.0
+    from aimsym.smi import outputs
+
+    Y = outputs.output_set(m)
+    den = m.denoiser()
+    rng = np.random.default_rng(3)
+    om = 2 * rng.standard_normal((200, 1, 2))
+    v = rng.uniform(0.05, 1.0, 200)[:, None, None]
+    total = sum(np.exp(den(np.broadcast_to(y, (200,) + y.shape).copy(), om, v).log_z_out) for y in Y)
+    assert np.allclose(total, 1.0, atol=1e-10)
+    om1, v1, n = np.array([[0.4, -0.3]]), 0.5, 400_000
+    y_mc = np.asarray(m.link(om1 + np.sqrt(v1) * rng.standard_normal((n, 1, 2)))).reshape(n, -1)
+    for y in Y:
+        p_mc = np.mean(np.all(y_mc == y.reshape(-1), axis=1))
+        p = np.exp(den(y[None], om1[None], v1 * np.eye(1)).log_z_out[0])
+        assert abs(p - p_mc) < 4 * np.sqrt(p * (1 - p) / n), (y, p, p_mc)

@@ -223,8 +223,12 @@ class Denoiser:
         self.dim = int(self.kernels.INTEGRAL_DIM)
         self.path = {"noisy": "generic", "halfspace": "closed-form"}.get(self.kernels.PATH, "exact")
         # one hardmax layer: the output of each wedge (by the sign of beta)
-        self._patterns = (wedge_patterns(np.sign(float(self.kernels.last_beta(self.params))))
-                          if self.kernels.PATH == "hardmax-wedge" else None)
+        self._patterns = None
+        if self.kernels.PATH == "hardmax-wedge":
+            beta = float(self.kernels.last_beta(self.params))
+            if not (np.isfinite(beta) and beta != 0.0):
+                raise ChannelError("beta", f"the hardmax layer's beta must be finite and non-zero, got {beta}")
+            self._patterns = wedge_patterns(np.sign(beta))
         if self.kernels.PATH in MODAL_ONLY:  # (the tensor rules do not carry a marginalised block)
             rule = self.rule = "modal"
         # the certified rule (the chamber rule within ``aimsym.denoise.modal``) by default where

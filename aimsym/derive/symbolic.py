@@ -429,12 +429,14 @@ def _attention_reduction(spec: AttentionSpec, M_prev: sp.Matrix, prog: Program |
                    "layers' mixing keeps the all-ones direction)")
     if (last.activation == "hardmax" and not why and len(spec.layers) == 1 and spec.tokens == 2
             and not spec.shared_flow):
+        # beta's sign decides which wedges give which output (the denoiser reads it from last_beta)
         red = Reduction(kind="hardmax-wedge", free=[], solved=[(0, 0), (0, 1)],
                         obs=[sp.Symbol("y_0", real=True)], branches=[], log_jacobian=[],
+                        activation="hardmax", beta=param_symbol(last.beta),
                         notes=["y = hardmax(beta z z^T) fixes the signs of z_1, z_2, z_1 - z_2: the posterior "
                                "is the Gaussian restricted to a union of wedges (closed form in radius, "
-                               "Gauss-Legendre in angle)"])
-        return red, "hardmax, one layer, T = 2: region constraint (union of wedges), closed form"
+                               "graded Gauss-Legendre in angle)"])
+        return red, "hardmax, one layer, T = 2: region constraint (union of wedges), closed form in radius"
     if (last.activation == "hardmax" and not why and len(spec.layers) == 2 and spec.tokens == 2
             and not spec.shared_flow and _first_layer_rank1_tied(spec)):
         return _hardmax_mixed_reduction(spec, M_prev)
