@@ -52,7 +52,7 @@ import warnings
 import numpy as np
 
 from ..errors import ChannelError
-from .hardmax_channel import DEFAULT_WEDGE, one_layer_wedges, output_mask, wedge_patterns
+from .hardmax_channel import DEFAULT_WEDGE, layer_patterns, one_layer_wedges, output_mask
 from .output import DenoiserOutput, difference, mean_target_met, refine_to_tol, validate_tol
 
 # default Gauss-Hermite points per dimension, by integral dimension (about 1e-9 relative
@@ -223,12 +223,7 @@ class Denoiser:
         self.dim = int(self.kernels.INTEGRAL_DIM)
         self.path = {"noisy": "generic", "halfspace": "closed-form"}.get(self.kernels.PATH, "exact")
         # one hardmax layer: the output of each wedge (by the sign of beta)
-        self._patterns = None
-        if self.kernels.PATH == "hardmax-wedge":
-            beta = float(self.kernels.last_beta(self.params))
-            if not (np.isfinite(beta) and beta != 0.0):
-                raise ChannelError("beta", f"the hardmax layer's beta must be finite and non-zero, got {beta}")
-            self._patterns = wedge_patterns(np.sign(beta))
+        self._patterns = layer_patterns(self.kernels, self.params) if self.kernels.PATH == "hardmax-wedge" else None
         if self.kernels.PATH in MODAL_ONLY:  # (the tensor rules do not carry a marginalised block)
             rule = self.rule = "modal"
         # the certified rule (the chamber rule within ``aimsym.denoise.modal``) by default where

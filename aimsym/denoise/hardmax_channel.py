@@ -54,6 +54,15 @@ def wedge_patterns(beta_sign: float) -> np.ndarray:
     return out
 
 
+def layer_patterns(kernels, params) -> np.ndarray:
+    """``wedge_patterns`` of the model's hardmax layer (by the sign of its beta; beta must be
+    finite and non-zero)."""
+    beta = float(kernels.last_beta(params))
+    if not (np.isfinite(beta) and beta != 0.0):
+        raise ChannelError("beta", f"the hardmax layer's beta must be finite and non-zero, got {beta}")
+    return wedge_patterns(np.sign(beta))
+
+
 def output_mask(y, patterns) -> np.ndarray:
     """(..., 6) boolean: the wedges (of ``wedge_patterns``) whose hardmax output is y; checks y."""
     y = np.asarray(y, dtype=float)
@@ -131,10 +140,7 @@ class HardmaxMixedDenoiser:
         self.polar = _sizes(polar, "polar", DEFAULT_POLAR, 2)
         self.wedge = _sizes(wedge, "wedge", DEFAULT_WEDGE, 0)
         self.tol = validate_tol(tol)  # the calls' default tol (None: the fixed rule, no estimate)
-        beta = float(self.kernels.last_beta(self.params))
-        if not (np.isfinite(beta) and beta != 0.0):
-            raise ChannelError("beta", f"the hardmax layer's beta must be finite and non-zero, got {beta}")
-        self.patterns = wedge_patterns(np.sign(beta))
+        self.patterns = layer_patterns(self.kernels, self.params)
         self._rules = {}
 
     @property
