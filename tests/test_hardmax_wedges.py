@@ -94,3 +94,25 @@ def test_negative_beta_wedges_give_the_link_probabilities(tmp_path):
         p_mc = np.mean(np.all(y_mc == y.reshape(-1), axis=1))
         p = np.exp(den(y[None], om1[None], v1 * np.eye(1)).log_z_out[0])
         assert abs(p - p_mc) < 4 * np.sqrt(p * (1 - p) / n), (y, p, p_mc)
+
+
+def test_a_sample_held_above_tol_by_rounding_alone_is_not_refined(monkeypatch):
+    """v = 1e-6 and an output ~1500 sd away from omega (log Z ~ -1e6): the rounding term of the
+    estimate (64 eps |log Z|) is above 1e-8 while the rule's part is below it, so refining cannot
+    help: the sample keeps its rule (one main and one check pass), and the warning says so."""
+    m = aimsym.load(derivations_dir() / "attention_hardmax_L1_T2.toml")
+    den = m.denoiser()
+    calls = []
+    kernel = m.kernels.hm_one_layer_batch
+
+    def counted(*args):
+        calls.append(len(args[0]))
+        return kernel(*args)
+
+    monkeypatch.setattr(m.kernels, "hm_one_layer_batch", counted)
+    y = np.array([[0.0, 1.0], [0.0, 1.0]])
+    with pytest.warns(RuntimeWarning, match="did not reach tol"):
+        out = den(y, np.array([[1.5, -1.0]]), np.array([[1e-6]]))
+    # the rounding term: 64 eps v |g_out|^2, v |g_out|^2 = (1500 sd)^2
+    assert out.log_z_out < -1e6 and 1e-8 < out.error <= 64 * np.finfo(float).eps * 2.3e6
+    assert len(calls) == 2, calls

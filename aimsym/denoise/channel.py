@@ -483,7 +483,8 @@ class Denoiser:
         with the hardmax-last-layer path). The error estimate is the difference to the rule of
         3/4 the wedge nodes, relative to the prior's scales of g_out and dg_out (1 / sqrt(v),
         1 / v) when v < 1, at least the rounding (WEDGE_ROUNDING); ``tol`` refines (wedge nodes
-        x1.5) where it is exceeded."""
+        x1.5) where the rule's part of it is above tol (a sample held above tol by rounding alone
+        keeps its rule and its estimate)."""
         mask = output_mask(y, self._patterns)
         batch = np.broadcast_shapes(mask.shape[:-1], omega.shape[:-2], V.shape[:-2] if V.ndim > 2 else ())
         mask = np.ascontiguousarray(np.broadcast_to(mask, (*batch, 6)).reshape(-1, 6))
@@ -495,6 +496,9 @@ class Denoiser:
         g, dg, lz = one_layer_wedges(self.kernels, mask, w, v, wedge)
         err = None
         if error or tol is not None:
+            # the rule's part of each estimate (the rest is rounding, which refining cannot lower)
+            rule_err = np.zeros(len(v))
+
             def estimate(idx, g, dg, lz, wedge):  # against the rule of 3/4 the wedge nodes
                 vi = v[idx]
                 g2, dg2, lz2 = one_layer_wedges(self.kernels, mask[idx], w[idx], vi, wedge - wedge // 4)
@@ -503,15 +507,22 @@ class Denoiser:
                 # moments about omega that lie |d| = sqrt(v) |g| sd from it
                 R = np.sqrt((w[idx] ** 2).sum(axis=1) / vi)
                 rounding = WEDGE_ROUNDING * np.maximum(1.0 + R + vi * (g**2).sum(axis=1), np.abs(lz))
-                return np.maximum(difference(g, dg, g2, dg2, lz, lz2, np.maximum(1.0, vi**-0.5),
-                                             np.maximum(1.0, 1.0 / vi)), rounding)
+                rule_err[idx] = difference(g, dg, g2, dg2, lz, lz2, np.maximum(1.0, vi**-0.5),
+                                           np.maximum(1.0, 1.0 / vi))
+                return np.maximum(rule_err[idx], rounding)
 
             err = estimate(slice(None), g, dg, lz, wedge)
 
-            def redo(bad, level):  # wedge nodes x1.5 per level
-                n = int(np.ceil(DEFAULT_WEDGE * 1.5**level))
-                g[bad], dg[bad], lz[bad] = one_layer_wedges(self.kernels, mask[bad], w[bad], v[bad], n)
-                return estimate(bad, g[bad], dg[bad], lz[bad], n)
+            def redo(bad, level):  # wedge nodes x1.5 per level, where the rule's part is above tol
+                bad = np.asarray(bad)
+                out = err[bad].copy()
+                sel = rule_err[bad] > tol
+                if np.any(sel):
+                    idx = bad[sel]
+                    n = int(np.ceil(DEFAULT_WEDGE * 1.5**level))
+                    g[idx], dg[idx], lz[idx] = one_layer_wedges(self.kernels, mask[idx], w[idx], v[idx], n)
+                    out[sel] = estimate(idx, g[idx], dg[idx], lz[idx], n)
+                return out
 
             refine_to_tol(err, tol, max_refine, redo)
             err = err.reshape(batch)

@@ -42,6 +42,7 @@ HM_K = 9.0  # half-width of the u-domain in prior standard deviations
 HM_BUMP = 3.0  # the outer rule is also cut this many prior sd around an off-centre prior bump
 HM_TAIL = -3.0  # below this a = m.e/s the radial moments use a continued fraction
 HM_MAX_PIECES = 48  # per graded half-interval (doubling pieces: never reached in practice)
+HM_CUT = 80.0  # a graded interval stops where its integrand is e^-HM_CUT below the largest node so far
 HM_LOG_2PI = math.log(2.0 * math.pi)
 # edges of the six wedges of the v-plane cut by v_1 = 0, v_2 = 0, v_1 = v_2
 HM_EDGES = np.array([0.0, 1.0, 2.0, 4.0, 5.0, 6.0, 8.0]) * (0.25 * math.pi)
@@ -116,9 +117,11 @@ def hm_piece(mu0, mu1, lo, hi, phi, gx, gw, acc, rad):
     """Gauss-Legendre on the angle piece [lo, hi] (angles relative to phi, the direction of
     mu): adds exp(log-integrand - acc[0]) times (1, E[d], E[d d^T]) to acc[1:7], d = x - mu
     the offset from the Gaussian's centre (small where the weight is: no cancellation far
-    from the origin), rescaling the running maximum acc[0]."""
+    from the origin), rescaling the running maximum acc[0]. Returns the smallest log-integrand
+    (without the rule weight) of its nodes."""
     half = 0.5 * (hi - lo)
     mid = 0.5 * (hi + lo)
+    low = math.inf
     for i in range(gx.shape[0]):
         th = phi + mid + half * gx[i]
         c = math.cos(th)
@@ -126,7 +129,9 @@ def hm_piece(mu0, mu1, lo, hi, phi, gx, gw, acc, rad):
         a = mu0 * c + mu1 * s
         b = -mu0 * s + mu1 * c
         hm_radial(a, rad)
-        L = -0.5 * b * b + rad[0] + math.log(half * gw[i])
+        L = -0.5 * b * b + rad[0]
+        low = min(low, L)
+        L += math.log(half * gw[i])
         if L > acc[0]:
             if acc[0] > -math.inf:
                 f = math.exp(acc[0] - L)
@@ -143,12 +148,15 @@ def hm_piece(mu0, mu1, lo, hi, phi, gx, gw, acc, rad):
         acc[4] += wt * (t2 * c * c + 2.0 * b * t1 * c * s + b * b * s * s)
         acc[5] += wt * (t2 * c * s + b * t1 * (s * s - c * c) - b * b * c * s)
         acc[6] += wt * (t2 * s * s - 2.0 * b * t1 * c * s + b * b * c * c)
+    return low
 
 
 @njit(cache=True)
 def hm_graded(mu0, mu1, R, phi, start, stop, gx, gw, acc, rad):
     """[start, stop] (either order) in doubling pieces away from ``start``, where the
-    integrand is largest."""
+    integrand is largest. The integrand (the Gaussian's mass along a ray) decreases away from
+    ``start``, so once a piece's last node is e^-HM_CUT below the largest weight so far, the
+    rest (at most 2 pi long) adds less than 1e-34 relative and is skipped."""
     h = hm_scale(R, start)
     sgn = 1.0 if stop >= start else -1.0
     length = abs(stop - start)
@@ -157,8 +165,8 @@ def hm_graded(mu0, mu1, R, phi, start, stop, gx, gw, acc, rad):
         nxt = length if (piece == HM_MAX_PIECES - 1 or x + h >= length) else x + h
         a0 = start + sgn * x
         a1 = start + sgn * nxt
-        hm_piece(mu0, mu1, min(a0, a1), max(a0, a1), phi, gx, gw, acc, rad)
-        if nxt >= length:
+        low = hm_piece(mu0, mu1, min(a0, a1), max(a0, a1), phi, gx, gw, acc, rad)
+        if nxt >= length or low < acc[0] - HM_CUT:
             break
         x = nxt
         h *= 2.0
@@ -471,3 +479,491 @@ def hm_denoise_batch(mask, omega, V, params, th, w_th, rr, w_r, gx, gw, g_out, d
         Vi = V[0] if V.shape[0] == 1 else V[i]
         status[i] = hm_denoise_one(mask[i], omega[i], Vi, params, th, w_th, rr, w_r, gx, gw,
                                    g_out[i], dg_out[i], extra[i])
+
+
+# ---- adaptive rule in u (used when a tolerance is given) ----
+# Regions are rectangles in (angle, radius) of the outer polar pieces. Each carries a tensor
+# Fejer-type-2 rule (open, nested: the coarse rule's nodes are the fine rule's odd nodes), so
+# one set of evaluations gives the fine sums K, the coarse sums G (the region's outer error
+# K - G), the coarse sums with the smaller wedge rule I (the inner error G - I), and the two
+# mixed rules (fine in one direction, coarse in the other) that choose the direction of a
+# split. The region with the largest contribution to the estimate is bisected until the
+# estimate meets tol or the region budget is spent. Sums per region: S0, S1 (4), S2 (16),
+# sum of squared weights, scaled by exp(-lm) (lm the region's largest log weight).
+HM_NV = 22  # S0, S1 (4), S2 (16), sum of squared weights
+# Steps of P(y | u): where the mean of v = M_1(u) w comes within a few sd of a line of the
+# v-plane (v_1 = 0, v_2 = 0, v_1 = v_2), P(y | u) switches, over about one sd of that distance d.
+# With the last layer nearly known the step is narrow in u and may fall between nodes (a band
+# of positive P(y | u) can be missed by both rules). A region whose nodes' d for some line meet
+# the band |d| < HM_BAND and span more than HM_RESOLVED sd is unresolved: its estimate is
+# bounded by its prior mass (P(y | u) anywhere in [0, 1]) until bisection resolves it.
+HM_BAND = 8.0
+HM_RESOLVED = 8.0
+
+
+@njit(cache=True)
+def hm_node(al, r, omega, v00, slope, s, log_norm_u, mask, params, gx, gw, res, acc, rad, M, uu, vec, dd):
+    """One u-node (angle al, radius r): returns its log weight without the rule weight (prior,
+    Jacobian r and log P(y | u)); fills vec[0:21] with (1, x, x x^T | u), x = Z - omega (u and w
+    about omega: no cancellation when the posterior is narrow far from the origin), dd[0:3] with
+    the distances (in sd) of the mean of v = M_1(u) w from the lines v_1 = 0, v_2 = 0,
+    v_1 = v_2, dd[3] with the log prior weight, dd[4:8] and dd[8:24] with the prior's E[x | u]
+    and E[x x^T | u]."""
+    dd[0] = math.nan
+    dd[1] = math.nan
+    dd[2] = math.nan
+    dd[3] = -math.inf
+    if r <= 0.0:
+        return -math.inf
+    u0 = r * math.cos(al)
+    u1 = r * math.sin(al)
+    d0 = u0 - omega[0, 0]
+    d1 = u1 - omega[0, 1]
+    lb = math.log(r) + log_norm_u - 0.5 * (d0 * d0 + d1 * d1) / v00
+    e0 = slope * d0  # m(u) - omega_w: the conditional mean of w about omega_w
+    e1 = slope * d1
+    m0 = omega[1, 0] + e0
+    m1 = omega[1, 1] + e1
+    dd[3] = lb
+    xp = (d0, d1, e0, e1)
+    for a in range(4):
+        dd[4 + a] = xp[a]
+    for a in range(4):
+        for b in range(4):
+            dd[8 + 4 * a + b] = xp[a] * xp[b] + (s * s if (a == b and a >= 2) else 0.0)
+    uu[0] = u0
+    uu[1] = u1
+    mixing(uu, params, M)
+    det = M[0, 0] * M[1, 1] - M[0, 1] * M[1, 0]
+    if not (det != 0.0 and math.isfinite(det)):
+        return -math.inf
+    hm_masked(m0 / s, m1 / s, M[1, 1] / det, -M[0, 1] / det, -M[1, 0] / det, M[0, 0] / det, det, mask, gx, gw,
+              acc, rad)
+    if not hm_moments(acc, res):  # res[1:6]: moments of (w - m) / s
+        return -math.inf
+    v0 = M[0, 0] * m0 + M[0, 1] * m1
+    v1 = M[1, 0] * m0 + M[1, 1] * m1
+    n0 = s * math.sqrt(M[0, 0] ** 2 + M[0, 1] ** 2)
+    n1 = s * math.sqrt(M[1, 0] ** 2 + M[1, 1] ** 2)
+    n2 = s * math.sqrt((M[0, 0] - M[1, 0]) ** 2 + (M[0, 1] - M[1, 1]) ** 2)
+    dd[0] = v0 / n0 if n0 > 0.0 else math.nan
+    dd[1] = v1 / n1 if n1 > 0.0 else math.nan
+    dd[2] = (v0 - v1) / n2 if n2 > 0.0 else math.nan
+    lb += res[0]
+    # x = (u - omega_u, w - omega_w), E[w - omega_w | u, y] = e + s E[d]
+    x2 = e0 + s * res[1]
+    x3 = e1 + s * res[2]
+    vec[0] = 1.0
+    vec[1] = d0
+    vec[2] = d1
+    vec[3] = x2
+    vec[4] = x3
+    xs = (d0, d1, x2, x3)
+    for a in range(2):
+        for b in range(4):
+            vec[5 + 4 * a + b] = xs[a] * xs[b]
+            vec[5 + 4 * b + a] = xs[a] * xs[b]
+    # E[(e + s d)(e + s d)^T] = e e^T + s (e E[d]^T + E[d] e^T) + s^2 E[d d^T]
+    s2 = s * s
+    vec[5 + 10] = e0 * e0 + 2.0 * s * e0 * res[1] + s2 * res[3]
+    vec[5 + 11] = e0 * e1 + s * (e0 * res[2] + e1 * res[1]) + s2 * res[4]
+    vec[5 + 14] = vec[5 + 11]
+    vec[5 + 15] = e1 * e1 + 2.0 * s * e1 * res[2] + s2 * res[5]
+    return lb
+
+
+@njit(cache=True)
+def hm_eval_region(j, a0, a1, r0, r1, omega, v00, slope, s, log_norm_u, mask, params, xf, wf, wc, gx, gw,
+                   gxs, gws, lm, K, G, I, P, lp, unres, split, res, acc, rad, M, uu, lbs, vals, dds, vec, dd):
+    """Evaluates region j = [a0, a1] x [r0, r1] (angle, radius): fills lm[j], K[j], G[j], I[j],
+    the prior's sums P[j] (scaled by exp(-lp[j])), unres[j] (an unresolved step, see HM_BAND)
+    and split[j] = (angle-direction, radius-direction) score: the spans of the unresolved
+    distances, else the mixed rules' errors of the mass and first moments (relative to the
+    region's own mass)."""
+    n = xf.shape[0]
+    ha = 0.5 * (a1 - a0)
+    hr = 0.5 * (r1 - r0)
+    mx = -math.inf
+    px = -math.inf
+    for i in range(n):
+        al = 0.5 * (a0 + a1) + ha * xf[i]
+        for k in range(n):
+            r = 0.5 * (r0 + r1) + hr * xf[k]
+            lb = hm_node(al, r, omega, v00, slope, s, log_norm_u, mask, params, gx, gw, res, acc, rad, M, uu, vec,
+                         dd)
+            lbs[i, k] = lb
+            for q in range(24):
+                dds[i, k, q] = dd[q]
+            if dd[3] > px:
+                px = dd[3]
+            if lb > -math.inf:
+                for q in range(21):
+                    vals[i, k, q] = vec[q]
+                if lb > mx:
+                    mx = lb
+    lhw = math.log(ha * hr)
+    lm[j] = mx + lhw
+    lp[j] = px + lhw
+    for q in range(HM_NV):
+        K[j, q] = 0.0
+        G[j, q] = 0.0
+        I[j, q] = 0.0
+        P[j, q] = 0.0
+    # the prior's sums (what the region could hold at most) and the unresolved steps
+    if px > -math.inf:
+        for i in range(n):
+            for k in range(n):
+                if dds[i, k, 3] == -math.inf:
+                    continue
+                wp = wf[i] * wf[k] * math.exp(dds[i, k, 3] - px)
+                P[j, 0] += wp
+                for q in range(20):
+                    P[j, 1 + q] += wp * dds[i, k, 4 + q]
+    unres[j] = False
+    span_a = 0.0
+    span_r = 0.0
+    for line in range(3):
+        lo = math.inf
+        hi = -math.inf
+        for i in range(n):
+            for k in range(n):
+                d = dds[i, k, line]
+                if math.isfinite(d):
+                    lo = min(lo, d)
+                    hi = max(hi, d)
+        if lo < HM_BAND and hi > -HM_BAND and hi - lo > HM_RESOLVED:
+            unres[j] = True
+            # spans along each direction (max - min: a step may cross a node row twice)
+            for i in range(n):
+                lo = math.inf
+                hi = -math.inf
+                for k in range(n):
+                    d = dds[i, k, line]
+                    if math.isfinite(d):
+                        lo = min(lo, d)
+                        hi = max(hi, d)
+                if hi > lo:
+                    span_r = max(span_r, hi - lo)
+            for k in range(n):
+                lo = math.inf
+                hi = -math.inf
+                for i in range(n):
+                    d = dds[i, k, line]
+                    if math.isfinite(d):
+                        lo = min(lo, d)
+                        hi = max(hi, d)
+                if hi > lo:
+                    span_a = max(span_a, hi - lo)
+    split[j, 0] = span_a
+    split[j, 1] = span_r
+    if mx == -math.inf:
+        return
+    mA = np.zeros(5)  # coarse in angle, fine in radius
+    mR = np.zeros(5)  # fine in angle, coarse in radius
+    for i in range(n):
+        for k in range(n):
+            if lbs[i, k] == -math.inf:
+                continue
+            e = math.exp(lbs[i, k] - mx)
+            wk = wf[i] * wf[k] * e
+            for q in range(21):
+                K[j, q] += wk * vals[i, k, q]
+            K[j, 21] += wk * wk
+            if i % 2 == 1:
+                wa = wc[i // 2] * wf[k] * e
+                for q in range(5):
+                    mA[q] += wa * vals[i, k, q]
+            if k % 2 == 1:
+                wr = wf[i] * wc[k // 2] * e
+                for q in range(5):
+                    mR[q] += wr * vals[i, k, q]
+            if i % 2 == 1 and k % 2 == 1:
+                wg = wc[i // 2] * wc[k // 2] * e
+                for q in range(21):
+                    G[j, q] += wg * vals[i, k, q]
+                G[j, 21] += wg * wg
+                # the same node with the smaller wedge rule: the inner error
+                lb2 = hm_node(0.5 * (a0 + a1) + ha * xf[i], 0.5 * (r0 + r1) + hr * xf[k], omega, v00, slope, s,
+                              log_norm_u, mask, params, gxs, gws, res, acc, rad, M, uu, vec, dd)
+                if lb2 > -math.inf:
+                    wi = wc[i // 2] * wc[k // 2] * math.exp(lb2 - mx)
+                    for q in range(21):
+                        I[j, q] += wi * vec[q]
+    # split direction of a resolved region: the direction whose coarse rule errs more
+    if not unres[j] and K[j, 0] > 0.0:
+        for d in range(2):
+            mm = mA if d == 0 else mR
+            e0 = abs(K[j, 0] - mm[0]) / K[j, 0]
+            e1 = 0.0
+            for q in range(1, 5):
+                e1 = max(e1, abs((K[j, q] - mm[q]) - K[j, q] / K[j, 0] * (K[j, 0] - mm[0])) / K[j, 0])
+            split[j, d] = e0 + e1
+
+
+@njit(cache=True)
+def hm_error_terms(D, f, S0, m, M2, Vi, eg, edg, dm, dc):
+    """Adds to eg (4: g_out entries) and edg (16: dg_out entries) the absolute changes of g_out
+    and dg_out caused by adding f * D (sums S0, S1, S2 of a region's difference) to totals
+    (S0, mean m, second moments M2); returns the change of log Z. First order in D; dm (4), dc
+    (4, 4): work arrays."""
+    d0 = f * D[0] / S0
+    for a in range(4):
+        dm[a] = f * D[1 + a] / S0 - m[a] * d0
+    for a in range(4):
+        for b in range(4):
+            dc[a, b] = f * D[5 + 4 * a + b] / S0 - M2[a, b] * d0 - dm[a] * m[b] - m[a] * dm[b]
+    for k in range(2):
+        for t in range(2):
+            v = 0.0
+            for kk in range(2):
+                v += Vi[k, kk] * dm[2 * kk + t]
+            eg[2 * k + t] += abs(v)
+    for k in range(2):
+        for t in range(2):
+            for kk in range(2):
+                for ss in range(2):
+                    v = 0.0
+                    for a in range(2):
+                        for b in range(2):
+                            v += Vi[k, a] * dc[2 * a + t, 2 * b + ss] * Vi[b, kk]
+                    edg[8 * k + 4 * t + 2 * kk + ss] += abs(v)
+    return abs(d0)
+
+
+@njit(cache=True)
+def hm_adaptive_one(mask, omega, V, params, xf, wf, wc, gx, gw, gxs, gws, tol, max_regions, g_out, dg_out, extra):
+    """Posterior moments of Z for one sample with the adaptive outer rule; returns a status as
+    hm_denoise_one (2: the estimate did not reach tol, within max_regions regions, or because
+    its inner part is above tol / 2).
+    extra = (log_z_out, effective number of u-nodes, error estimate, regions used, the inner (wedge
+    rule) part of the estimate)."""
+    v00 = V[0, 0]
+    v01 = V[0, 1]
+    v11 = V[1, 1]
+    detV = v00 * v11 - v01 * v01
+    if not (v00 > 0.0 and v11 > 0.0 and detV > 0.0):
+        return 1
+    s = math.sqrt(detV / v00)
+    slope = v01 / v00
+    log_norm_u = -math.log(2.0 * math.pi * v00)
+    Vi = np.empty((2, 2))
+    Vi[0, 0] = v11 / detV
+    Vi[1, 1] = v00 / detV
+    Vi[0, 1] = -v01 / detV
+    Vi[1, 0] = -v01 / detV
+    redges = np.empty(5)
+    edges = hm_sectors(omega, V, redges)
+    n_rad = int(redges[4])
+    n0 = (edges.shape[0] - 1) * (n_rad - 1)
+    R = max(max_regions, n0)
+    box = np.empty((R, 4))
+    lm = np.empty(R)
+    K = np.empty((R, HM_NV))
+    G = np.empty((R, HM_NV))
+    I = np.empty((R, HM_NV))
+    split = np.empty((R, 2))
+    P = np.empty((R, HM_NV))
+    lp = np.empty(R)
+    unres = np.zeros(R, dtype=np.bool_)
+    contrib = np.empty(R)
+    n = xf.shape[0]
+    lbs = np.empty((n, n))
+    vals = np.empty((n, n, 21))
+    dds = np.empty((n, n, 24))
+    vec = np.empty(21)
+    dd = np.empty(24)
+    res = np.empty(6)
+    acc = np.empty(7)
+    rad = np.empty(3)
+    M = np.empty((2, 2))
+    uu = np.empty(2)
+    nreg = 0
+    for p in range(edges.shape[0] - 1):
+        for q in range(n_rad - 1):
+            box[nreg, 0] = edges[p]
+            box[nreg, 1] = edges[p + 1]
+            box[nreg, 2] = redges[q]
+            box[nreg, 3] = redges[q + 1]
+            hm_eval_region(nreg, edges[p], edges[p + 1], redges[q], redges[q + 1], omega, v00, slope, s, log_norm_u,
+                           mask, params, xf, wf, wc, gx, gw, gxs, gws, lm, K, G, I, P, lp, unres, split, res, acc, rad,
+                           M, uu, lbs, vals, dds, vec, dd)
+            nreg += 1
+    tot = np.empty(HM_NV)
+    mean = np.empty(4)
+    M2 = np.empty((4, 4))
+    D = np.empty(21)
+    eg = np.empty(4)
+    edg = np.empty(16)
+    g0 = np.empty(4)
+    d0 = np.empty(16)
+    g1 = np.empty(4)
+    d1 = np.empty(16)
+    eg_in = np.zeros(4)
+    edg_in = np.zeros(16)
+    est_in = 0.0
+    dm = np.empty(4)
+    dc = np.empty((4, 4))
+    status = 0
+    L = -math.inf
+    est = math.inf
+    while True:
+        L = -math.inf
+        for j in range(nreg):
+            if K[j, 0] > 0.0 and lm[j] > L:
+                L = lm[j]
+        if L == -math.inf:
+            return 3
+        for q in range(HM_NV):
+            tot[q] = 0.0
+        for j in range(nreg):
+            if K[j, 0] > 0.0:
+                f = math.exp(lm[j] - L)
+                for q in range(21):
+                    tot[q] += f * K[j, q]
+                tot[21] += f * f * K[j, 21]
+        S0 = tot[0]
+        for a in range(4):
+            mean[a] = tot[1 + a] / S0
+        for a in range(4):
+            for b in range(4):
+                M2[a, b] = tot[5 + 4 * a + b] / S0
+        for k in range(2):
+            for t in range(2):
+                v = 0.0
+                for kk in range(2):
+                    v += Vi[k, kk] * mean[2 * kk + t]  # x = Z - omega
+                g_out[k, t] = v
+        for k in range(2):
+            for t in range(2):
+                for kk in range(2):
+                    for ss in range(2):
+                        v = 0.0
+                        for a in range(2):
+                            for b in range(2):
+                                v += Vi[k, a] * (M2[2 * a + t, 2 * b + ss] - mean[2 * a + t] * mean[2 * b + ss]) * Vi[b, kk]
+                        if t == ss:
+                            v -= Vi[k, kk]
+                        dg_out[k, t, kk, ss] = v
+        gs = 1.0
+        ds = 1.0
+        for k in range(2):
+            for t in range(2):
+                gs = max(gs, abs(g_out[k, t]))
+                for kk in range(2):
+                    for ss in range(2):
+                        ds = max(ds, abs(dg_out[k, t, kk, ss]))
+        # the estimate: every region's outer (K - G) and inner (G - I) differences, in absolute value
+        for a in range(4):
+            eg[a] = 0.0
+        for a in range(16):
+            edg[a] = 0.0
+        elz = 0.0
+        elz_in = 0.0
+        eg_in[:] = 0.0
+        edg_in[:] = 0.0
+        worst = -1
+        wmax = -1.0
+        for j in range(nreg):
+            f = math.exp(lm[j] - L) if lm[j] > -math.inf else 0.0
+            fp = math.exp(min(lp[j] - L, 700.0)) if (unres[j] and lp[j] > -math.inf) else 0.0
+            if f == 0.0 and fp == 0.0:
+                contrib[j] = 0.0
+                continue
+            g0[:] = eg
+            d0[:] = edg
+            lz = 0.0
+            if f > 0.0:
+                for q in range(21):
+                    D[q] = K[j, q] - G[j, q]
+                lz += hm_error_terms(D, f, S0, mean, M2, Vi, eg, edg, dm, dc)
+                for q in range(21):
+                    D[q] = G[j, q] - I[j, q]
+                g1[:] = eg
+                d1[:] = edg
+                lzi = hm_error_terms(D, f, S0, mean, M2, Vi, eg, edg, dm, dc)
+                lz += lzi
+                # the inner part alone (refining u cannot lower it: the caller refines the wedges)
+                elz_in += lzi
+                for a in range(4):
+                    eg_in[a] += eg[a] - g1[a]
+                for a in range(16):
+                    edg_in[a] += edg[a] - d1[a]
+            if fp > 0.0:  # an unresolved step: the region may hold anything up to its prior mass
+                for q in range(21):
+                    D[q] = P[j, q]
+                lz += hm_error_terms(D, fp, S0, mean, M2, Vi, eg, edg, dm, dc)
+            elz += lz
+            c = lz
+            for a in range(4):
+                c = max(c, (eg[a] - g0[a]) / gs)
+            for a in range(16):
+                c = max(c, (edg[a] - d0[a]) / ds)
+            contrib[j] = c
+            if c > wmax:
+                wmax = c
+                worst = j
+        est = elz
+        for a in range(4):
+            est = max(est, eg[a] / gs)
+        for a in range(16):
+            est = max(est, edg[a] / ds)
+        est_in = elz_in
+        for a in range(4):
+            est_in = max(est_in, eg_in[a] / gs)
+        for a in range(16):
+            est_in = max(est_in, edg_in[a] / ds)
+        if not math.isfinite(est):
+            return 4
+        if est <= tol:
+            break
+        if est_in > tol or (est_in > 0.5 * tol and est - est_in <= 0.5 * tol):
+            # the wedge rule must be refined (the caller does it) before refining u can help
+            status = 2
+            break
+        if nreg + 1 > R or worst < 0:
+            status = 2
+            break
+        a0 = box[worst, 0]
+        a1 = box[worst, 1]
+        r0 = box[worst, 2]
+        r1 = box[worst, 3]
+        if split[worst, 0] >= split[worst, 1]:  # the angle rule is the worse: halve the angle
+            am = 0.5 * (a0 + a1)
+            box[worst, 1] = am
+            box[nreg, 0] = am
+            box[nreg, 1] = a1
+            box[nreg, 2] = r0
+            box[nreg, 3] = r1
+        else:
+            rm = 0.5 * (r0 + r1)
+            box[worst, 3] = rm
+            box[nreg, 0] = a0
+            box[nreg, 1] = a1
+            box[nreg, 2] = rm
+            box[nreg, 3] = r1
+        for j in (worst, nreg):
+            hm_eval_region(j, box[j, 0], box[j, 1], box[j, 2], box[j, 3], omega, v00, slope, s, log_norm_u, mask,
+                           params, xf, wf, wc, gx, gw, gxs, gws, lm, K, G, I, P, lp, unres, split, res, acc, rad, M,
+                           uu, lbs, vals, dds, vec, dd)
+        nreg += 1
+    extra[0] = L + math.log(S0)
+    extra[1] = S0 * S0 / tot[21]
+    extra[2] = est
+    extra[3] = nreg
+    extra[4] = est_in
+    for k in range(2):
+        for t in range(2):
+            if not math.isfinite(g_out[k, t]):
+                return 4
+    return status
+
+
+@njit(cache=True, parallel=True)
+def hm_adaptive_batch(mask, omega, V, params, xf, wf, wc, gx, gw, gxs, gws, tol, max_regions, g_out, dg_out, extra,
+                      status):
+    """Batch over samples (prange) of hm_adaptive_one; extra (n, 5)."""
+    n = omega.shape[0]
+    for i in prange(n):
+        Vi = V[0] if V.shape[0] == 1 else V[i]
+        status[i] = hm_adaptive_one(mask[i], omega[i], Vi, params, xf, wf, wc, gx, gw, gxs, gws, tol, max_regions,
+                                    g_out[i], dg_out[i], extra[i])

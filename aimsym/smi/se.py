@@ -483,8 +483,7 @@ def denoiser_accuracy(model, nodes=None, polar=None, samples: int | None = None)
         # Carlo error (a few % at hundreds of points), with a small adaptive budget
         out = {"tol": modal_only_tol(samples), "max_regions": SE_MODAL_REGIONS, "mean_tol": modal_only_tol(samples)}
     elif path == "hardmax-wedge-mixed":
-        # its own estimate (rules of 3/4 the size) and refinement (x1.5), to the SE's share of
-        # its statistical error
+        # the adaptive rule in u with its own estimate, to the SE's share of its statistical error
         out["tol"] = se_tol(samples)
     elif 0 < dim <= MAX_CONTROLLED_DIM and path not in ("noisy", "halfspace", "hardmax-wedge"):
         out["tol"] = SE_TOL
