@@ -413,8 +413,8 @@ def test_robust_inputs_and_clear_errors():
 
 
 def _regime(kind, n, seed):
-    """(y, omega, V) at n points: SE points (V = v I), or one layer nearly known (ridge1: V_00
-    in 1e-4..1e-2; ridge2: V_11 in 1e-4..1e-2); the benchmark's points."""
+    """(y, omega, V) at n points: SE points (V = v I), one layer nearly known (ridge1: V_00 in
+    1e-4..1e-2; ridge2: V_11 in 1e-4..1e-2), far tails (tail); the benchmark's points."""
     return regime_points(kind, n, seed)[1:]
 
 
@@ -439,7 +439,7 @@ def test_error_estimate_covers_the_actual_error(kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["se", "ridge1", "ridge2"])
+@pytest.mark.parametrize("kind", ["se", "ridge1", "ridge2", "tail"])
 def test_error_estimate_is_honest_over_many_points(kind):
     actual, est = _actual_and_estimate(kind, 100, 4)
     assert np.mean(actual <= est) >= 0.99, np.sort(actual / est)[-8:]

@@ -39,12 +39,17 @@ def bench(n: int = 64, seed: int = 0, sizes=((8, 24), (12, 32), (16, 40))) -> li
 def regime_points(kind: str, n: int, seed: int = 0):
     """(y, omega, V) at n points of the two-layer model (c = 1): SE points (V = v I, v in
     0.05-0.99), the first layer nearly known (ridge1: V_00 in 1e-4..1e-2) or the last (ridge2:
-    V_11 in 1e-4..1e-2); omega ~ N(0, I - V) per layer, y from Z."""
+    V_11 in 1e-4..1e-2); omega ~ N(0, I - V) per layer, y from Z ~ N(omega, V). Far tails
+    (tail): V = v I, omega ~ 3 N(0, 1), y from Z ~ N(0, I) drawn independently of omega."""
     from ..model import load
 
     m = load("hardmax_L2_T2", c=1.0)
     rng = np.random.default_rng(seed)
     V = np.zeros((n, 2, 2))
+    if kind == "tail":
+        V[:] = rng.uniform(0.05, 0.99, n)[:, None, None] * np.eye(2)
+        om = 3 * rng.standard_normal((n, 2, 2))
+        return m, np.asarray(m.link(rng.standard_normal((n, 2, 2)))), om, V
     if kind == "se":
         V[:] = rng.uniform(0.05, 0.99, n)[:, None, None] * np.eye(2)
     else:
@@ -67,7 +72,7 @@ def bench_adaptive(n: int = 32, seed: int = 0, tols=(1e-3, 1e-4, 1e-6), ref_tol:
     from ..denoise.output import difference
 
     rows = []
-    for kind in ("se", "ridge1", "ridge2"):
+    for kind in ("se", "ridge1", "ridge2", "tail"):
         m, y, om, V = regime_points(kind, n, seed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
