@@ -370,14 +370,52 @@ def hm_add(lw, u0, u1, s, res, st, S1, S2, x):
 
 
 @njit(cache=True)
+def hm_inverse(V, Vi):
+    """Fills Vi = V^{-1} (2 x 2) and returns det V; 0 if V is not positive definite."""
+    detV = V[0, 0] * V[1, 1] - V[0, 1] * V[0, 1]
+    if not (V[0, 0] > 0.0 and V[1, 1] > 0.0 and detV > 0.0):
+        return 0.0
+    Vi[0, 0] = V[1, 1] / detV
+    Vi[1, 1] = V[0, 0] / detV
+    Vi[0, 1] = -V[0, 1] / detV
+    Vi[1, 0] = -V[0, 1] / detV
+    return detV
+
+
+@njit(cache=True)
+def hm_to_g(Vi, x, g):
+    """g[k, t] = sum_kk Vi[k, kk] x[2 kk + t] (x: moments of Z - omega, Z[k, t] = x[2 k + t])."""
+    for k in range(2):
+        for t in range(2):
+            v = 0.0
+            for kk in range(2):
+                v += Vi[k, kk] * x[2 * kk + t]
+            g[k, t] = v
+
+
+@njit(cache=True)
+def hm_to_dg(Vi, C, dg):
+    """dg[k, t, kk, ss] = sum_ab Vi[k, a] C[2 a + t, 2 b + ss] Vi[b, kk] (C indexed as x)."""
+    for k in range(2):
+        for t in range(2):
+            for kk in range(2):
+                for ss in range(2):
+                    v = 0.0
+                    for a in range(2):
+                        for b in range(2):
+                            v += Vi[k, a] * C[2 * a + t, 2 * b + ss] * Vi[b, kk]
+                    dg[k, t, kk, ss] = v
+
+
+@njit(cache=True)
 def hm_denoise_one(mask, omega, V, params, th, w_th, rr, w_r, gx, gw, g_out, dg_out, extra):
     """Posterior moments of Z for one sample; returns a status (0 ok, 1 bad V, 3 zero
     likelihood, 4 not finite). extra = (log_z_out, effective number of u-nodes)."""
     v00 = V[0, 0]
     v01 = V[0, 1]
-    v11 = V[1, 1]
-    detV = v00 * v11 - v01 * v01
-    if not (v00 > 0.0 and v11 > 0.0 and detV > 0.0):
+    Vi = np.empty((2, 2))
+    detV = hm_inverse(V, Vi)
+    if detV == 0.0:
         return 1
     s2 = detV / v00  # conditional variance of w_t given u_t
     s = math.sqrt(s2)
@@ -439,28 +477,15 @@ def hm_denoise_one(mask, omega, V, params, th, w_th, rr, w_r, gx, gw, g_out, dg_
     for a in range(4):
         for b in range(4):
             cov[a, b] -= mean[a] * mean[b]
-    Vi = np.empty((2, 2))
-    Vi[0, 0] = v11 / detV
-    Vi[1, 1] = v00 / detV
-    Vi[0, 1] = -v01 / detV
-    Vi[1, 0] = -v01 / detV
     for k in range(2):
         for t in range(2):
-            acc_g = 0.0
-            for kk in range(2):
-                acc_g += Vi[k, kk] * (mean[2 * kk + t] - omega[kk, t])
-            g_out[k, t] = acc_g
+            mean[2 * k + t] -= omega[k, t]
+    hm_to_g(Vi, mean, g_out)
+    hm_to_dg(Vi, cov, dg_out)
     for k in range(2):
-        for t in range(2):
-            for kk in range(2):
-                for ss in range(2):
-                    val = 0.0
-                    for a in range(2):
-                        for b in range(2):
-                            val += Vi[k, a] * cov[2 * a + t, 2 * b + ss] * Vi[b, kk]
-                    if t == ss:
-                        val -= Vi[k, kk]
-                    dg_out[k, t, kk, ss] = val
+        for kk in range(2):
+            for t in range(2):
+                dg_out[k, t, kk, t] -= Vi[k, kk]
     extra[0] = gmax + math.log(S0)
     extra[1] = S0 * S0 / Sw2
     for k in range(2):
@@ -573,6 +598,18 @@ def hm_node(al, r, omega, v00, slope, s, log_norm_u, mask, params, gx, gw, res, 
 
 
 @njit(cache=True)
+def hm_bounds(x):
+    """Smallest and largest finite entry of x ((inf, -inf) if there is none)."""
+    lo = math.inf
+    hi = -math.inf
+    for d in x:
+        if math.isfinite(d):
+            lo = min(lo, d)
+            hi = max(hi, d)
+    return lo, hi
+
+
+@njit(cache=True)
 def hm_eval_region(j, a0, a1, r0, r1, omega, v00, slope, s, log_norm_u, mask, params, xf, wf, wc, gx, gw,
                    gxs, gws, lm, K, G, I, P, lp, unres, split, res, acc, rad, M, uu, lbs, vals, dds, vec, dd):
     """Evaluates region j = [a0, a1] x [r0, r1] (angle, radius): fills lm[j], K[j], G[j], I[j],
@@ -626,34 +663,20 @@ def hm_eval_region(j, a0, a1, r0, r1, omega, v00, slope, s, log_norm_u, mask, pa
         lo = math.inf
         hi = -math.inf
         for i in range(n):
-            for k in range(n):
-                d = dds[i, k, line]
-                if math.isfinite(d):
-                    lo = min(lo, d)
-                    hi = max(hi, d)
+            a, b = hm_bounds(dds[i, :, line])
+            lo = min(lo, a)
+            hi = max(hi, b)
         if lo < HM_BAND and hi > -HM_BAND and hi - lo > HM_RESOLVED:
             unres[j] = True
             # spans along each direction (max - min: a step may cross a node row twice)
             for i in range(n):
-                lo = math.inf
-                hi = -math.inf
-                for k in range(n):
-                    d = dds[i, k, line]
-                    if math.isfinite(d):
-                        lo = min(lo, d)
-                        hi = max(hi, d)
-                if hi > lo:
-                    span_r = max(span_r, hi - lo)
+                a, b = hm_bounds(dds[i, :, line])
+                if b > a:
+                    span_r = max(span_r, b - a)
             for k in range(n):
-                lo = math.inf
-                hi = -math.inf
-                for i in range(n):
-                    d = dds[i, k, line]
-                    if math.isfinite(d):
-                        lo = min(lo, d)
-                        hi = max(hi, d)
-                if hi > lo:
-                    span_a = max(span_a, hi - lo)
+                a, b = hm_bounds(dds[:, k, line])
+                if b > a:
+                    span_a = max(span_a, b - a)
     split[j, 0] = span_a
     split[j, 1] = span_r
     if mx == -math.inf:
@@ -701,32 +724,25 @@ def hm_eval_region(j, a0, a1, r0, r1, omega, v00, slope, s, log_norm_u, mask, pa
 
 
 @njit(cache=True)
-def hm_error_terms(D, f, S0, m, M2, Vi, eg, edg, dm, dc):
+def hm_error_terms(D, f, S0, m, M2, Vi, eg, edg, dm, dc, wg, wdg):
     """Adds to eg (4: g_out entries) and edg (16: dg_out entries) the absolute changes of g_out
     and dg_out caused by adding f * D (sums S0, S1, S2 of a region's difference) to totals
     (S0, mean m, second moments M2); returns the change of log Z. First order in D; dm (4), dc
-    (4, 4): work arrays."""
+    (4, 4), wg (2, 2), wdg (2, 2, 2, 2): work arrays."""
     d0 = f * D[0] / S0
     for a in range(4):
         dm[a] = f * D[1 + a] / S0 - m[a] * d0
     for a in range(4):
         for b in range(4):
             dc[a, b] = f * D[5 + 4 * a + b] / S0 - M2[a, b] * d0 - dm[a] * m[b] - m[a] * dm[b]
+    hm_to_g(Vi, dm, wg)
+    hm_to_dg(Vi, dc, wdg)
     for k in range(2):
         for t in range(2):
-            v = 0.0
-            for kk in range(2):
-                v += Vi[k, kk] * dm[2 * kk + t]
-            eg[2 * k + t] += abs(v)
-    for k in range(2):
-        for t in range(2):
+            eg[2 * k + t] += abs(wg[k, t])
             for kk in range(2):
                 for ss in range(2):
-                    v = 0.0
-                    for a in range(2):
-                        for b in range(2):
-                            v += Vi[k, a] * dc[2 * a + t, 2 * b + ss] * Vi[b, kk]
-                    edg[8 * k + 4 * t + 2 * kk + ss] += abs(v)
+                    edg[8 * k + 4 * t + 2 * kk + ss] += abs(wdg[k, t, kk, ss])
     return abs(d0)
 
 
@@ -738,19 +754,13 @@ def hm_adaptive_one(mask, omega, V, params, xf, wf, wc, gx, gw, gxs, gws, tol, m
     extra = (log_z_out, effective number of u-nodes, error estimate, regions used, the inner (wedge
     rule) part of the estimate)."""
     v00 = V[0, 0]
-    v01 = V[0, 1]
-    v11 = V[1, 1]
-    detV = v00 * v11 - v01 * v01
-    if not (v00 > 0.0 and v11 > 0.0 and detV > 0.0):
+    Vi = np.empty((2, 2))
+    detV = hm_inverse(V, Vi)
+    if detV == 0.0:
         return 1
     s = math.sqrt(detV / v00)
-    slope = v01 / v00
+    slope = V[0, 1] / v00
     log_norm_u = -math.log(2.0 * math.pi * v00)
-    Vi = np.empty((2, 2))
-    Vi[0, 0] = v11 / detV
-    Vi[1, 1] = v00 / detV
-    Vi[0, 1] = -v01 / detV
-    Vi[1, 0] = -v01 / detV
     redges = np.empty(5)
     edges = hm_sectors(omega, V, redges)
     n_rad = int(redges[4])
@@ -803,6 +813,9 @@ def hm_adaptive_one(mask, omega, V, params, xf, wf, wc, gx, gw, gxs, gws, tol, m
     est_in = 0.0
     dm = np.empty(4)
     dc = np.empty((4, 4))
+    wg = np.empty((2, 2))
+    wdg = np.empty((2, 2, 2, 2))
+    cov = np.empty((4, 4))
     status = 0
     L = -math.inf
     est = math.inf
@@ -827,23 +840,15 @@ def hm_adaptive_one(mask, omega, V, params, xf, wf, wc, gx, gw, gxs, gws, tol, m
         for a in range(4):
             for b in range(4):
                 M2[a, b] = tot[5 + 4 * a + b] / S0
+        hm_to_g(Vi, mean, g_out)  # x = Z - omega
+        for a in range(4):
+            for b in range(4):
+                cov[a, b] = M2[a, b] - mean[a] * mean[b]
+        hm_to_dg(Vi, cov, dg_out)
         for k in range(2):
-            for t in range(2):
-                v = 0.0
-                for kk in range(2):
-                    v += Vi[k, kk] * mean[2 * kk + t]  # x = Z - omega
-                g_out[k, t] = v
-        for k in range(2):
-            for t in range(2):
-                for kk in range(2):
-                    for ss in range(2):
-                        v = 0.0
-                        for a in range(2):
-                            for b in range(2):
-                                v += Vi[k, a] * (M2[2 * a + t, 2 * b + ss] - mean[2 * a + t] * mean[2 * b + ss]) * Vi[b, kk]
-                        if t == ss:
-                            v -= Vi[k, kk]
-                        dg_out[k, t, kk, ss] = v
+            for kk in range(2):
+                for t in range(2):
+                    dg_out[k, t, kk, t] -= Vi[k, kk]
         gs = 1.0
         ds = 1.0
         for k in range(2):
@@ -875,12 +880,12 @@ def hm_adaptive_one(mask, omega, V, params, xf, wf, wc, gx, gw, gxs, gws, tol, m
             if f > 0.0:
                 for q in range(21):
                     D[q] = K[j, q] - G[j, q]
-                lz += hm_error_terms(D, f, S0, mean, M2, Vi, eg, edg, dm, dc)
+                lz += hm_error_terms(D, f, S0, mean, M2, Vi, eg, edg, dm, dc, wg, wdg)
                 for q in range(21):
                     D[q] = G[j, q] - I[j, q]
                 g1[:] = eg
                 d1[:] = edg
-                lzi = hm_error_terms(D, f, S0, mean, M2, Vi, eg, edg, dm, dc)
+                lzi = hm_error_terms(D, f, S0, mean, M2, Vi, eg, edg, dm, dc, wg, wdg)
                 lz += lzi
                 # the inner part alone (refining u cannot lower it: the caller refines the wedges)
                 elz_in += lzi
@@ -891,7 +896,7 @@ def hm_adaptive_one(mask, omega, V, params, xf, wf, wc, gx, gw, gxs, gws, tol, m
             if fp > 0.0:  # an unresolved step: the region may hold anything up to its prior mass
                 for q in range(21):
                     D[q] = P[j, q]
-                lz += hm_error_terms(D, fp, S0, mean, M2, Vi, eg, edg, dm, dc)
+                lz += hm_error_terms(D, fp, S0, mean, M2, Vi, eg, edg, dm, dc, wg, wdg)
             elz += lz
             c = lz
             for a in range(4):
@@ -923,24 +928,12 @@ def hm_adaptive_one(mask, omega, V, params, xf, wf, wc, gx, gw, gxs, gws, tol, m
         if nreg + 1 > R or worst < 0:
             status = 2
             break
-        a0 = box[worst, 0]
-        a1 = box[worst, 1]
-        r0 = box[worst, 2]
-        r1 = box[worst, 3]
-        if split[worst, 0] >= split[worst, 1]:  # the angle rule is the worse: halve the angle
-            am = 0.5 * (a0 + a1)
-            box[worst, 1] = am
-            box[nreg, 0] = am
-            box[nreg, 1] = a1
-            box[nreg, 2] = r0
-            box[nreg, 3] = r1
-        else:
-            rm = 0.5 * (r0 + r1)
-            box[worst, 3] = rm
-            box[nreg, 0] = a0
-            box[nreg, 1] = a1
-            box[nreg, 2] = rm
-            box[nreg, 3] = r1
+        # halve the direction whose score is larger (0: angle, 1: radius)
+        d = 0 if split[worst, 0] >= split[worst, 1] else 1
+        box[nreg, :] = box[worst, :]
+        mid = 0.5 * (box[worst, 2 * d] + box[worst, 2 * d + 1])
+        box[worst, 2 * d + 1] = mid
+        box[nreg, 2 * d] = mid
         for j in (worst, nreg):
             hm_eval_region(j, box[j, 0], box[j, 1], box[j, 2], box[j, 3], omega, v00, slope, s, log_norm_u, mask,
                            params, xf, wf, wc, gx, gw, gxs, gws, lm, K, G, I, P, lp, unres, split, res, acc, rad, M,
