@@ -52,6 +52,16 @@ _STATUS = {
 }
 
 
+def _raise_on_status(failed: np.ndarray, status: np.ndarray) -> None:
+    """One ChannelError naming the field of the first failed sample's status (and how many failed)."""
+    bad = np.flatnonzero(failed)
+    if bad.size:
+        i = int(bad[0])
+        fld, msg = _STATUS.get(int(status[i]), ("input", f"failed with status {int(status[i])}"))
+        more = f" ({bad.size} samples affected)" if bad.size > 1 else ""
+        raise ChannelError(fld, f"sample {i}: {msg}{more}")
+
+
 def fejer2(n: int) -> tuple[np.ndarray, np.ndarray]:
     """Fejer's second rule on [-1, 1] (nodes cos(k pi / (n + 1)), k = 1..n, ascending): open and
     nested (for odd n, the rule of (n - 1) / 2 nodes is the odd-indexed nodes)."""
@@ -267,8 +277,8 @@ class HardmaxMixedDenoiser:
             import warnings
 
             warnings.warn(f"denoiser: {int(np.sum(status == 2))} of {n} samples did not reach tol={tol:g} within "
-                          f"{self.max_regions} regions (largest estimated error {np.max(err):.1e})", RuntimeWarning,
-                          stacklevel=3)
+                          f"{self.max_regions} regions and {WEDGE_LEVELS} wedge refinements (largest estimated error "
+                          f"{np.max(err):.1e})", RuntimeWarning, stacklevel=3)
         return g, dg, extra[:, :2], err
 
     def _adaptive(self, mask, omega, V, wedge, tol, g, dg, extra, status):
@@ -279,12 +289,7 @@ class HardmaxMixedDenoiser:
             self._rules[key] = (xf, wf, fejer2(ADAPTIVE_NODES // 2)[1], *leg(wedge), *leg(wedge - wedge // 4))
         self.kernels.hm_adaptive_batch(mask, omega, V, self.params, *self._rules[key], float(tol), self.max_regions,
                                        g, dg, extra, status)
-        bad = np.flatnonzero((status != 0) & (status != 2))
-        if bad.size:
-            i = int(bad[0])
-            fld, msg = _STATUS.get(int(status[i]), ("input", f"failed with status {int(status[i])}"))
-            more = f" ({bad.size} samples affected)" if bad.size > 1 else ""
-            raise ChannelError(fld, f"sample {i}: {msg}{more}")
+        _raise_on_status((status != 0) & (status != 2), status)  # (2: above tol, reported by the caller)
 
     def _run(self, mask, omega, V, polar, wedge):
         n = omega.shape[0]
@@ -294,10 +299,5 @@ class HardmaxMixedDenoiser:
         status = np.empty(n, dtype=np.int64)
         th, w_th, rr, w_r, gx, gw = self._rule(polar, wedge)
         self.kernels.hm_denoise_batch(mask, omega, V, self.params, th, w_th, rr, w_r, gx, gw, g, dg, extra, status)
-        bad = np.flatnonzero(status)
-        if bad.size:
-            i = int(bad[0])
-            fld, msg = _STATUS.get(int(status[i]), ("input", f"failed with status {int(status[i])}"))
-            more = f" ({bad.size} samples affected)" if bad.size > 1 else ""
-            raise ChannelError(fld, f"sample {i}: {msg}{more}")
+        _raise_on_status(status != 0, status)
         return g, dg, extra
