@@ -53,7 +53,7 @@ import numpy as np
 
 from ..errors import ChannelError
 from .hardmax_channel import DEFAULT_WEDGE, layer_patterns, one_layer_wedges, output_mask
-from .output import DenoiserOutput, difference, mean_target_met, refine_to_tol, validate_tol
+from .output import DenoiserOutput, difference, mean_target_met, raise_on_status, refine_to_tol, validate_tol
 
 # default Gauss-Hermite points per dimension, by integral dimension (about 1e-9 relative
 # on the bundled models at moderate V, see docs/denoiser.md)
@@ -724,9 +724,4 @@ class Denoiser:
 
     @staticmethod
     def _raise(status):
-        bad = np.flatnonzero(status)
-        if bad.size:
-            i = int(bad[0])
-            fld, msg = _STATUS.get(int(status[i]), ("input", f"failed with status {int(status[i])}"))
-            more = f" ({bad.size} samples affected)" if bad.size > 1 else ""
-            raise ChannelError(fld, f"sample {i}: {msg}{more}")
+        raise_on_status(status != 0, status, _STATUS)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ChannelError
-from .output import DenoiserOutput, validate_tol
+from .output import DenoiserOutput, raise_on_status, validate_tol
 
 # outer polar rule (angle nodes per sector, radial nodes) and Gauss-Legendre nodes per graded
 # angular piece of a wedge; about 1e-9 relative at moderate V (docs/denoiser.md)
@@ -50,16 +50,6 @@ _STATUS = {
     3: ("y", "has zero likelihood under the model at this omega, V (or M_1 is singular everywhere)"),
     4: ("omega", "gave a non-finite posterior weight (|omega| or 1/V too large)"),
 }
-
-
-def _raise_on_status(failed: np.ndarray, status: np.ndarray) -> None:
-    """One ChannelError naming the field of the first failed sample's status (and how many failed)."""
-    bad = np.flatnonzero(failed)
-    if bad.size:
-        i = int(bad[0])
-        fld, msg = _STATUS.get(int(status[i]), ("input", f"failed with status {int(status[i])}"))
-        more = f" ({bad.size} samples affected)" if bad.size > 1 else ""
-        raise ChannelError(fld, f"sample {i}: {msg}{more}")
 
 
 def fejer2(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -289,7 +279,7 @@ class HardmaxMixedDenoiser:
             self._rules[key] = (xf, wf, fejer2(ADAPTIVE_NODES // 2)[1], *leg(wedge), *leg(wedge - wedge // 4))
         self.kernels.hm_adaptive_batch(mask, omega, V, self.params, *self._rules[key], float(tol), self.max_regions,
                                        g, dg, extra, status)
-        _raise_on_status((status != 0) & (status != 2), status)  # (2: above tol, reported by the caller)
+        raise_on_status((status != 0) & (status != 2), status, _STATUS)  # (2: above tol, reported by the caller)
 
     def _run(self, mask, omega, V, polar, wedge):
         n = omega.shape[0]
@@ -299,5 +289,5 @@ class HardmaxMixedDenoiser:
         status = np.empty(n, dtype=np.int64)
         th, w_th, rr, w_r, gx, gw = self._rule(polar, wedge)
         self.kernels.hm_denoise_batch(mask, omega, V, self.params, th, w_th, rr, w_r, gx, gw, g, dg, extra, status)
-        _raise_on_status(status != 0, status)
+        raise_on_status(status != 0, status, _STATUS)
         return g, dg, extra

@@ -39,6 +39,17 @@ def difference(g, dg, g2, dg2, lz, lz2, g_floor=1.0, dg_floor=1.0) -> np.ndarray
                               np.abs(dg - dg2).reshape(n, -1).max(axis=1) / ds, np.abs(lz - lz2)])
 
 
+def raise_on_status(failed: np.ndarray, status: np.ndarray, messages: dict) -> None:
+    """One ChannelError for a batch kernel's statuses: the field and message (``messages``:
+    status -> (field, message)) of the first sample where ``failed``, and how many failed."""
+    bad = np.flatnonzero(failed)
+    if bad.size:
+        i = int(bad[0])
+        fld, msg = messages.get(int(status[i]), ("input", f"failed with status {int(status[i])}"))
+        more = f" ({bad.size} samples affected)" if bad.size > 1 else ""
+        raise ChannelError(fld, f"sample {i}: {msg}{more}")
+
+
 def mean_target_met(err, mean_tol) -> bool:
     """Whether a batch's mean error estimate meets a batch target (``mean_tol``, None: no target)."""
     return mean_tol is not None and err is not None and np.size(err) > 0 and bool(np.mean(err) <= mean_tol)
