@@ -332,6 +332,29 @@ def test_plot_draws_one_labelled_curve_per_parameter_set(tmp_path):
     assert bare == curves
 
 
+def test_plot_reads_a_thresholds_report_and_a_reproduce_state(tmp_path, capsys):
+    """`aimsym plot --thresholds` takes the JSON of `aimsym thresholds --json` and a reproduce run's
+    state file (the same report under "value", with its resume key), and draws the same marks."""
+    import json
+
+    from aimsym.cli import main
+
+    store = tmp_path / "gc.sqlite"
+    sweep.run_sweep(GC, [0.5, 1.0], params={"Delta": [0.3]}, store=store, samples=64, workers=1, progress=False)
+    report = {"staircase": [{"alpha": 0.8, "stderr": 0.01, "subspace": [0]}], "perfect_recovery": None}
+    (tmp_path / "th.json").write_text(json.dumps(report))
+    (tmp_path / "state.json").write_text(json.dumps({"key": {"samples": 64}, "value": report}))
+    sizes = []
+    for th in ("th.json", "state.json"):
+        out = tmp_path / f"{th}.png"
+        assert main(["plot", str(store), "--thresholds", str(tmp_path / th), "--out", str(out)]) == 0
+        sizes.append(out.stat().st_size)
+    assert sizes[0] == sizes[1] > 0
+    (tmp_path / "bad.json").write_text(json.dumps({"key": 1, "value": {"staircase": 3}}))
+    assert main(["plot", str(store), "--thresholds", str(tmp_path / "bad.json")]) == 2
+    assert "--thresholds" in capsys.readouterr().err
+
+
 def test_user_errors_survive_the_trip_from_a_worker_process():
     import pickle
 

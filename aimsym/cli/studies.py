@@ -66,7 +66,8 @@ def cmd_sweep(args) -> int:
 def _register_plot(sub) -> None:
     p = sub.add_parser("plot", help="overlaps vs alpha from a sweep store (+ thresholds JSON)")
     p.add_argument("store", help="sweep SQLite file")
-    p.add_argument("--thresholds", default=None, help="JSON written by 'aimsym thresholds --json'")
+    p.add_argument("--thresholds", default=None,
+                   help="JSON written by 'aimsym thresholds --json' (or a reproduce state's thresholds.json)")
     p.add_argument("--init", default="uninformed", choices=("uninformed", "informed"),
                    help="which stored start to draw (default uninformed)")
     p.add_argument("--out", default="se_overlaps.png")
@@ -78,6 +79,8 @@ def _load_thresholds(path, hashes) -> dict:
     try:
         with open(path) as fh:
             data = json.load(fh)
+        if isinstance(data, dict) and set(data) == {"key", "value"}:
+            data = data["value"]  # a reproduce run's state (OUT/NAME_state/thresholds.json): the report and its key
         steps = data["staircase"]
         if not isinstance(steps, list) or not all(isinstance(t, dict) and "alpha" in t for t in steps):
             raise KeyError("staircase")
