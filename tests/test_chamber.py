@@ -311,6 +311,19 @@ def test_budget_bench_reports_each_budget():
         assert np.isfinite(float(re.search(r"mean estimate ([\d.e+-]+)", ln).group(1)))
 
 
+def test_levels_bench_shows_the_rule_converging():
+    """bench.denoiser --levels (the cost floor in docs/performance.md): each level alone against
+    the finest, two layers at T = 3; the actual error falls by at least 5x per level (spectral
+    convergence) and the node count grows."""
+    from aimsym.bench.denoiser import bench_levels
+
+    rows = bench_levels(["attention_L2_T3"], n=2, top=3)
+    assert [r["level"] for r in rows] == [0, 1, 2]
+    for a, b in zip(rows, rows[1:]):
+        assert b["error_max"] <= a["error_max"] / 5 and b["combinations"] > a["combinations"]
+    assert rows[0]["error_max"] > 1e-6  # (the coarsest level is far from 1e-8: the floor is real)
+
+
 def test_untied_estimate_is_relative_to_the_returned_dg_out():
     """Two untied layers with the last key nearly known (V_KK = 2e-3; point 229 of the 1 000-point
     honesty run, seed 42): the marginalised key's residual covariance, added to dg_out after the

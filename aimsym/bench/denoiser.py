@@ -4,6 +4,7 @@
     python -m aimsym.bench.denoiser --modal-only [--modal-batch 1024] [--modal-check 8] [--modal-tol 1e-8]
     python -m aimsym.bench.denoiser --budget [--budget-model attention_L3_T2] [--budget-q 0.99] [--budget-n 16] [--budget-combos 6e6,4.1e7]
     python -m aimsym.bench.denoiser --mean-tol [--budget-model attention_L3_T2] [--budget-n 64]
+    python -m aimsym.bench.denoiser --levels [--levels-models attention_L2_T3,attention_L3_T2] [--levels-n 8]
 
 Measures, in one run: CPU time per evaluation of (g_out, dg_out, log_z_out) single-threaded
 for the old (Legendre) and new (mapped) polar rules and Gauss-Hermite, in each SE regime, with
@@ -205,6 +206,49 @@ def bench_mean_tol(name="attention_L3_T2", n=64, qs=((0.0, 0.0, 0.98), (0.2, 0.2
                   + f"; largest distance / (sum of the estimates) {ratio:.2f}", flush=True)
 
 
+def bench_levels(names, n=8, top=6):
+    """Each chamber level alone (node tables warm, one call per level on n SE points, Q = 0.4 I):
+    CPU per sample and its actual error against the finest level ``top``. This is the cost of
+    meeting a tol with an error estimate that cost nothing: a floor under the certified rule's
+    cost, which also evaluates the level before for its estimate. Returns the printed rows."""
+    from aimsym.denoise import chamber, modal
+
+    rows = []
+    print(f"chamber levels alone, {n} SE points (Q = 0.4 I), 1 thread, warm tables; {_load()}")
+    for name in names:
+        m = load_bench_model(name, c=1.0)
+        K = modal.load(m.kernels)
+        rng = np.random.default_rng(7)
+        p, T = m.p, m.tokens
+        om = np.sqrt(0.4) * rng.standard_normal((n, p, T))
+        obs = np.array([m.observation(z) for z in om + np.sqrt(0.6) * rng.standard_normal((n, p, T))])
+        V, prm = 0.6 * np.eye(p)[None], m.params_array()
+        runs = []
+        for lv in range(top + 1):
+            def call(lv=lv):
+                return chamber.evaluate(K, obs, om, V, prm, lv, np.ones(n))
+            call()  # node tables built and cached
+            t, (g, dg, ex, st) = _timed(call, repeat=1, clock=time.process_time)
+            assert not st.any(), (name, lv, st)
+            runs.append((g, dg, ex, t / n))
+        ref = runs[top]
+        for lv, (g, dg, ex, t) in enumerate(runs[:top]):
+            e = np.maximum(_rel_err(_Out(g, dg), _Out(ref[0], ref[1])), np.abs(ex[:, 0] - ref[2][:, 0]))
+            rows.append({"model": name, "level": lv, "combinations": float(np.median(ex[:, 1])), "cpu": t,
+                         "error_median": float(np.median(e)), "error_max": float(e.max())})
+            print(f"  {name} level {lv} {chamber.LEVELS[lv]}: {np.median(ex[:, 1]):.3g} node combinations, "
+                  f"{t * 1e3:.2f} ms CPU per sample ({t / np.median(ex[:, 1]) * 1e9:.0f} ns each), "
+                  f"actual error median {np.median(e):.1e}, max {e.max():.1e}", flush=True)
+    return rows
+
+
+class _Out:
+    """(g_out, dg_out) in the shape _rel_err reads."""
+
+    def __init__(self, g, dg):
+        self.g_out, self.dg_out = g, dg
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=100_000)
@@ -233,7 +277,14 @@ def main(argv=None):
                          "default: the four pairs of the table in docs/performance.md")
     ap.add_argument("--mean-tol", action="store_true",
                     help="only the SE's batch target mean_tol: SE batches with and without it (three layers)")
+    ap.add_argument("--levels", action="store_true",
+                    help="only the chamber rule's levels alone: CPU and actual error per level (k = 3, 4)")
+    ap.add_argument("--levels-models", default="attention_L2_T3,attention_L3_T2,attention_L2_T2_heads2")
+    ap.add_argument("--levels-n", type=int, default=8, help="SE points per model for --levels")
     args = ap.parse_args(argv)
+    if args.levels:
+        bench_levels(args.levels_models.split(","), args.levels_n)
+        return
     if args.mean_tol:
         bench_mean_tol(args.budget_model, args.budget_n or 64)
         return
