@@ -264,6 +264,61 @@ def test_error_estimate_is_honest_T3_24_points():
     assert share == 1.0, (actual, est)
 
 
+def test_error_estimate_holds_where_the_posterior_splits_into_narrow_modes(monkeypatch):
+    """Two layers at T = 3 with the last layer nearly known (V = diag(0.5, 1e-3)): the posterior of
+    the first layer's query splits into narrow modes of similar height. With Newton started from
+    the three best screening points only, the other modes were missed and the estimate fell below
+    the actual error at 3 of 48 such points (by up to 20x: estimate 0.137, actual 1.08 at index 38).
+    The reference searches modes far more thoroughly (9^3 screening points, 40 starts), so a
+    mode the default search misses shows as an actual error."""
+    from aimsym import modal
+
+    m, n = load("attention_L2_T3"), 48
+    rng = np.random.default_rng(5)
+    vd = np.array([0.5, 1e-3])
+    om = rng.standard_normal((n, 2, 3)) * np.sqrt(1 - vd)[None, :, None]
+    Z = om + rng.standard_normal((n, 2, 3)) * np.sqrt(vd)[None, :, None]
+    idx = [25, 38, 46]
+    om, obs, V = om[idx], np.array([m.observation(z) for z in Z[idx]]), np.diag(vd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = m.denoiser(tol=1e-3)(None, om, V, obs=obs)
+        monkeypatch.setitem(modal.SCREEN, 3, 9)
+        monkeypatch.setattr(modal, "N_START", 40)
+        ref = m.denoiser(tol=1e-5)(None, om, V, obs=obs)
+    actual = np.array([rel_error(out, i, ref.g_out[i], ref.dg_out[i], ref.log_z_out[i]) for i in range(3)])
+    assert np.all(ref.error <= 2.5e-4), ref.error  # (an informative reference: a quarter of the tol)
+    assert np.all(actual <= out.error + ref.error), (actual, out.error, ref.error)
+
+
+def test_verified_cubature_keeps_a_claim_only_where_a_finer_run_agrees():
+    """verify_adaptive on three samples: one whose finer run agrees (finer values, the coarser
+    claim), one whose finer run finds more mass (the estimate becomes the distance plus the finer
+    run's own), one that stopped above tol (left as it is, never rerun)."""
+    from aimsym.denoise.modal import VERIFY, verify_adaptive
+
+    p, T, tol = 1, 2, 1e-3
+    g = np.zeros((3, p, T))
+    dg = np.zeros((3, p, T, p, T))
+    ex = np.array([[0.0, 10.0, 5e-4, 0.0], [0.0, 10.0, 5e-4, 0.0], [0.0, 10.0, 0.5, 1.0]])
+    st = np.zeros(3, np.int64)
+    calls = []
+
+    def adaptive(sel, t):
+        calls.append((sel.tolist(), t))
+        g2, dg2 = np.zeros((sel.size, p, T)), np.zeros((sel.size, p, T, p, T))
+        ex2 = np.tile([0.0, 7.0, t / 2, 0.0], (sel.size, 1))
+        ex2[:, 0] = [2e-4 if k == 0 else 0.05 for k in sel]  # log Z: sample 1 moves by 0.05
+        return g2, dg2, ex2, np.zeros(sel.size, np.int64)
+
+    verify_adaptive(adaptive, np.arange(3), tol, g, dg, ex, st)
+    assert calls == [([0, 1], tol / VERIFY)]
+    assert ex[0, 0] == 2e-4 and ex[0, 2] == 5e-4  # agreed: finer value, the verified claim
+    assert ex[1, 0] == 0.05 and ex[1, 2] == pytest.approx(0.05 + tol / VERIFY / 2)  # disagreed
+    assert ex[2].tolist() == [0.0, 10.0, 0.5, 1.0]  # above tol: untouched
+    assert ex[0, 1] == ex[1, 1] == 17.0  # the finer run's evaluations are counted
+
+
 # (tol, reference tol, region budget of both): at k = 4 the SE's budget (smi.se.SE_CERTIFIED_REGIONS),
 # where the estimate is checked also on the samples that end at the budget above tol (a quarter at
 # 1e-4); about 25 min of CPU per four-dimensional model

@@ -45,12 +45,19 @@ MARKER = "# ---- template begins ----"
 # by SCREEN_SPREAD (so the grid reaches about 3 prior sd)
 SCREEN = {1: 15, 2: 9, 3: 5, 4: 4, 5: 3, 6: 3}
 SCREEN_SPREAD = 1.0
-N_START = 3
+# Newton starts per branch: with one layer nearly known the posterior splits into narrow modes of
+# similar height, and the three best grid points all led to the largest one (docs/denoiser.md,
+# "Narrow modes": two layers at T = 3, V = diag(0.5, 1e-3))
+N_START = 24
 INFLATE = 1.0
-MAX_COMP = 32
+MAX_COMP = 64
 # default budget: regions of the adaptive cubature per sample (each costs one Genz-Malik rule,
 # 2^D + 2 D^2 + 1 evaluations; memory (1 + pT + pT (pT + 1) / 2) doubles per region)
 MAX_REGIONS = 100_000
+# the adaptive cubature's claims within tol are checked by the same cubature at tol / VERIFY
+# (verify_adaptive; VERIFY_RUNS > 1 checks a disagreeing finer run again)
+VERIFY = 100.0
+VERIFY_RUNS = 1
 # fast path: tensor Gauss-Hermite sizes per axis, per dimension (successive pairs give the estimate)
 FAST = True
 # floor of the fast path's estimate: two rules agreeing to rounding still differ from the exact
@@ -256,14 +263,20 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
         left = np.flatnonzero(~done[rest] & (st == 0))
         if left.size and not settled():
             gp, w7, w5 = genz_malik(D)
-            sub2 = (lambda a: a[left]) if Vr.shape[0] != 1 else (lambda a: a)
-            g2, dg2 = np.empty((left.size, p, T)), np.empty((left.size, p, T, p, T))
-            ex2, st2 = np.empty((left.size, 4)), np.zeros(left.size, np.int64)
-            K.modal_adaptive(ob[left], om[left], sub2(Vr), params, nc[left], cb[left], cm[left], cL[left], cla[left],
-                             gp, w7, w5, float(tol), int(max_regions), g2, dg2, ex2, st2)
-            # (estimates relative to the dg_out finally returned, as the chamber rule's)
-            res = chamber.residual_covariance(K, sub2(Vr))
-            ex2[:, 2] *= chamber.final_scale(dg2, res)
+
+            def adaptive(sel, t):
+                """The adaptive cubature at tol t for the samples rest[sel] (estimates relative to
+                the dg_out finally returned, as the chamber rule's)."""
+                Vs = Vr[sel] if Vr.shape[0] != 1 else Vr
+                ga, dga = np.empty((sel.size, p, T)), np.empty((sel.size, p, T, p, T))
+                exa, sta = np.empty((sel.size, 4)), np.zeros(sel.size, np.int64)
+                K.modal_adaptive(ob[sel], om[sel], Vs, params, nc[sel], cb[sel], cm[sel], cL[sel], cla[sel],
+                                 gp, w7, w5, float(t), int(max_regions), ga, dga, exa, sta)
+                exa[:, 2] *= chamber.final_scale(dga, chamber.residual_covariance(K, Vs))
+                return ga, dga, exa, sta
+
+            g2, dg2, ex2, st2 = adaptive(left, tol)
+            verify_adaptive(adaptive, left, tol, g2, dg2, ex2, st2)
             # keep the chamber rule's result where its estimate is the smaller
             idx = rest[left]
             others.append((idx[st2 == 0], g2[st2 == 0], dg2[st2 == 0], ex2[st2 == 0, 0], ex2[st2 == 0, 2]))
@@ -275,6 +288,44 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
     if getattr(K, "HAS_MARGINAL", False):
         add_residual_covariance(K, V, dg)
     return g, dg, extra[:, 0], extra[:, 2], extra[:, 1], extra[:, 3] > 0, status
+
+
+def distance(g_a, dg_a, lz_a, g_b, dg_b, lz_b) -> np.ndarray:
+    """Per sample, the largest difference of two results in the denoiser's error metric (g_out and
+    dg_out relative to the first result's size, at least 1; log Z_out absolute)."""
+    n = lz_a.shape[0]
+    out = np.abs(lz_a - lz_b)
+    for a, b in ((g_a.reshape(n, -1), g_b.reshape(n, -1)), (dg_a.reshape(n, -1), dg_b.reshape(n, -1))):
+        out = np.maximum(out, np.abs(a - b).max(axis=1) / np.maximum(1.0, np.abs(a).max(axis=1)))
+    return out
+
+
+def verify_adaptive(adaptive, sel, tol, g, dg, ex, st, runs: int = VERIFY_RUNS):
+    """The adaptive cubature's claim checked by itself at a VERIFY times smaller tol, in place.
+
+    Its regional estimate (degree 7 against degree 5) cannot see a narrow feature that neither rule
+    resolves: with one layer nearly known a run can stop at tol while a finer one finds more mass
+    (docs/denoiser.md, "Narrow modes"). A claim within tol is rerun at tol / VERIFY; where the two
+    agree within their estimates the finer values are kept with the coarser estimate (the claim,
+    verified); where they disagree the distance plus the finer run's own estimate is the estimate
+    (and with ``runs`` > 1 the finer run is checked the same way)."""
+    todo = np.flatnonzero((st == 0) & (ex[:, 2] <= tol))
+    claim = ex[:, 2].copy()  # each sample's last run's own estimate
+    t = tol
+    for _ in range(runs):
+        if todo.size == 0:
+            return
+        t /= VERIFY
+        g2, dg2, ex2, st2 = adaptive(sel[todo], t)
+        ex[todo, 1] += ex2[:, 1]
+        fine = st2 == 0
+        i, j = todo[fine], np.flatnonzero(fine)
+        d = distance(g2[j], dg2[j], ex2[j, 0], g[i], dg[i], ex[i, 0])
+        agree = d <= claim[i] + ex2[j, 2]
+        ex[i, 2] = np.where(agree, np.maximum(claim[i], ex2[j, 2]), d + ex2[j, 2])
+        claim[i] = ex2[j, 2]
+        g[i], dg[i], ex[i, 0], ex[i, 3] = g2[j], dg2[j], ex2[j, 0], ex2[j, 3]
+        todo = i[~agree & (ex2[j, 2] <= t)]
 
 
 def cross_checked(g, dg, lz, est, others, tol: float) -> np.ndarray:
