@@ -324,7 +324,8 @@ def verify_adaptive(adaptive, sel, tol, g, dg, ex, st, runs: int = VERIFY_RUNS):
         agree = d <= claim[i] + ex2[j, 2]
         ex[i, 2] = np.where(agree, np.maximum(claim[i], ex2[j, 2]), d + ex2[j, 2])
         claim[i] = ex2[j, 2]
-        g[i], dg[i], ex[i, 0], ex[i, 3] = g2[j], dg2[j], ex2[j, 0], ex2[j, 3]
+        g[i], dg[i], ex[i, 0] = g2[j], dg2[j], ex2[j, 0]
+        ex[i, 3] = np.where(agree, ex[i, 3], ex2[j, 3])  # (a verified claim did not stop at the budget)
         todo = i[~agree & (ex2[j, 2] <= t)]
 
 
