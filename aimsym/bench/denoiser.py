@@ -233,20 +233,13 @@ def bench_levels(names, n=8, top=6):
             runs.append((g, dg, ex, t / n))
         ref = runs[top]
         for lv, (g, dg, ex, t) in enumerate(runs[:top]):
-            e = np.maximum(_rel_err(_Out(g, dg), _Out(ref[0], ref[1])), np.abs(ex[:, 0] - ref[2][:, 0]))
+            e = modal.distance(ref[0], ref[1], ref[2][:, 0], g, dg, ex[:, 0])
             rows.append({"model": name, "level": lv, "combinations": float(np.median(ex[:, 1])), "cpu": t,
                          "error_median": float(np.median(e)), "error_max": float(e.max())})
             print(f"  {name} level {lv} {chamber.LEVELS[lv]}: {np.median(ex[:, 1]):.3g} node combinations, "
                   f"{t * 1e3:.2f} ms CPU per sample ({t / np.median(ex[:, 1]) * 1e9:.0f} ns each), "
                   f"actual error median {np.median(e):.1e}, max {e.max():.1e}", flush=True)
     return rows
-
-
-class _Out:
-    """(g_out, dg_out) in the shape _rel_err reads."""
-
-    def __init__(self, g, dg):
-        self.g_out, self.dg_out = g, dg
 
 
 def main(argv=None):
