@@ -25,7 +25,6 @@ from numba import njit, prange  # noqa: F401
 # Mode-centred partition-of-unity driver (aimsym/denoise/modal_template.py)
 # ============================================================================
 
-MODAL_MAX_COMP = 32
 # components whose Laplace mass is below e^-MODAL_DROP of the largest are dropped (their share of
 # the integral is then < e^-MODAL_DROP times the Laplace approximation's error factor)
 MODAL_DROP = 46.0
