@@ -31,6 +31,7 @@ from scipy import integrate
 
 from aimsym.model import load
 from aimsym.denoise.channel import DEFAULT_POLAR
+from aimsym.denoise.output import difference
 from aimsym.derive.files import derivations_dir
 
 ROOT = derivations_dir()  # the bundled models
@@ -173,7 +174,6 @@ def bench_mean_tol(name="attention_L3_T2", n=64, qs=((0.0, 0.0, 0.98), (0.2, 0.2
     (Q, seed), omega ~ N(0, Q), Z ~ N(omega, I - Q), with the SE's denoiser settings, with and
     without mean_tol; CPU time (one thread), integrand evaluations, mean and largest estimate, and
     the largest distance between the two results in units of their two estimates."""
-    from aimsym.denoise.output import difference
     from aimsym.smi.se import denoiser_accuracy
 
     m = load(ROOT / f"{name}.toml", skip=1.0)
@@ -233,7 +233,7 @@ def bench_levels(names, n=8, top=6):
             runs.append((g, dg, ex, t / n))
         ref = runs[top]
         for lv, (g, dg, ex, t) in enumerate(runs[:top]):
-            e = modal.distance(ref[0], ref[1], ref[2][:, 0], g, dg, ex[:, 0])
+            e = difference(ref[0], ref[1], g, dg, ref[2][:, 0], ex[:, 0])
             rows.append({"model": name, "level": lv, "combinations": float(np.median(ex[:, 1])), "cpu": t,
                          "error_median": float(np.median(e)), "error_max": float(e.max())})
             print(f"  {name} level {lv} {chamber.LEVELS[lv]}: {np.median(ex[:, 1]):.3g} node combinations, "

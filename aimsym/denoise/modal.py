@@ -290,16 +290,6 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
     return g, dg, extra[:, 0], extra[:, 2], extra[:, 1], extra[:, 3] > 0, status
 
 
-def distance(g_a, dg_a, lz_a, g_b, dg_b, lz_b) -> np.ndarray:
-    """Per sample, the largest difference of two results in the denoiser's error metric (g_out and
-    dg_out relative to the first result's size, at least 1; log Z_out absolute)."""
-    n = lz_a.shape[0]
-    out = np.abs(lz_a - lz_b)
-    for a, b in ((g_a.reshape(n, -1), g_b.reshape(n, -1)), (dg_a.reshape(n, -1), dg_b.reshape(n, -1))):
-        out = np.maximum(out, np.abs(a - b).max(axis=1) / np.maximum(1.0, np.abs(a).max(axis=1)))
-    return out
-
-
 def verify_adaptive(adaptive, sel, tol, g, dg, ex, st, runs: int = VERIFY_RUNS):
     """The adaptive cubature's claim checked by itself at a VERIFY times smaller tol, in place.
 
@@ -320,7 +310,7 @@ def verify_adaptive(adaptive, sel, tol, g, dg, ex, st, runs: int = VERIFY_RUNS):
         ex[todo, 1] += ex2[:, 1]
         fine = st2 == 0
         i, j = todo[fine], np.flatnonzero(fine)
-        d = distance(g2[j], dg2[j], ex2[j, 0], g[i], dg[i], ex[i, 0])
+        d = difference(g2[j], dg2[j], g[i], dg[i], ex2[j, 0], ex[i, 0])
         agree = d <= claim[i] + ex2[j, 2]
         ex[i, 2] = np.where(agree, np.maximum(claim[i], ex2[j, 2]), d + ex2[j, 2])
         claim[i] = ex2[j, 2]
