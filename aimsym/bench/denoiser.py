@@ -31,6 +31,7 @@ from scipy import integrate
 
 from aimsym.model import load
 from aimsym.denoise.channel import DEFAULT_POLAR
+from aimsym.denoise import rqmc
 from aimsym.denoise.output import difference
 from aimsym.derive.files import derivations_dir
 
@@ -421,8 +422,12 @@ def bench_modal(args):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             t, out = _timed(lambda: den(None, om, V, obs=obs), repeat=1, clock=time.process_time)
-            tr, ref = _timed(lambda: m.denoiser(tol=tol / 100, **kw)(None, om[:nc], V, obs=obs[:nc]), repeat=1,
-                             clock=time.process_time)
+            rqmc.SEED = 1  # (the check at k >= 6 must not share the randomised-QMC stage's points)
+            try:
+                tr, ref = _timed(lambda: m.denoiser(tol=tol / 100, **kw)(None, om[:nc], V, obs=obs[:nc]), repeat=1,
+                                 clock=time.process_time)
+            finally:
+                rqmc.SEED = 0  # (the default)
         e = np.maximum(_rel_err(_head(out, nc), ref), np.abs(out.log_z_out[:nc] - ref.log_z_out))
         print(f"  {name} (k = {den.dim}, tol {tol:g}): {1e3 * t / n:.2f} ms CPU per evaluation, median "
               f"evaluations {np.median(out.ess):.0f}; estimate max {np.max(out.error):.1e}, above tol "

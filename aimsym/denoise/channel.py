@@ -444,7 +444,8 @@ class Denoiser:
         if np.any(~(err <= tol)):
             why = (f"the batch's mean estimate {np.mean(err):.1e} met mean_tol={self.mean_tol:g}"
                    if mean_target_met(err, self.mean_tol) else
-                   f"{int(np.sum(hit & ~(err <= tol)))} stopped at the budget of max_regions={self.max_regions}")
+                   f"{int(np.sum(hit & ~(err <= tol)))} stopped at the budget of " + modal.budget_name(self.kernels,
+                                                                                          self.max_regions))
             warnings.warn(f"denoiser: {int(np.sum(~(err <= tol)))} of {len(err)} samples did not reach tol={tol:g} "
                           f"(largest estimated error {np.nanmax(err):.1e}; {why})", RuntimeWarning, stacklevel=3)
         return DenoiserOutput(g_out=g.reshape(*batch, p, T), dg_out=dg.reshape(*batch, p, T, p, T),

@@ -20,7 +20,9 @@ This module integrates it as follows (kernels in ``modal_template.py``, compiled
    the region count was half of the current one, propagated to first order to g_out and dg_out
    (relative to their size, at least 1) and log Z_out (absolute); it stops when that is <= tol,
    or at ``max_regions`` regions (the budget), where the estimate is reported as it stands and
-   a RuntimeWarning counts the samples above tol.
+   a RuntimeWarning counts the samples above tol. At k >= 6 (``rqmc.MIN_DIM``) randomised QMC on
+   the same partition of unity replaces it (``aimsym.denoise.rqmc``: its regions' 2^k points cost
+   more than they resolve there).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import chamber
+from . import chamber, rqmc
 from .output import difference, mean_target_met
 
 TEMPLATE = Path(__file__).with_name("modal_template.py")
@@ -261,6 +263,18 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
         # the chamber rule for samples the fast path did not settle and it has not tried
         chamber_stage(rest[~fast & (st == 0) & ~tried[rest]])
         left = np.flatnonzero(~done[rest] & (st == 0))
+        if left.size and not settled() and D >= rqmc.MIN_DIM:
+            # (the adaptive cubature's regions grow as 2^k: at k >= 6 randomised QMC replaces it)
+            g3, dg3, ex3, st3 = rqmc.run(K, ob, om, Vr, params, nc, cb, cm, cL, cla, left, tol)
+            idx = rest[left]
+            ok3 = st3 == 0
+            others.append((idx[ok3], g3[ok3], dg3[ok3], ex3[ok3, 0], ex3[ok3, 2]))
+            better = ok3 & ~(extra[idx, 2] <= ex3[:, 2])
+            ex3[:, 1] += extra[idx, 1]
+            g[idx[better]], dg[idx[better]], extra[idx[better]] = g3[better], dg3[better], ex3[better]
+            extra[idx[~better], 1] = ex3[~better, 1]
+            done[idx[ok3 & (ex3[:, 2] <= tol)]] = True
+            left = left[:0]  # (the adaptive cubature's 2^k-point regions cost more and gain less there)
         if left.size and not settled():
             gp, w7, w5 = genz_malik(D)
 
@@ -288,6 +302,13 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
     if getattr(K, "HAS_MARGINAL", False):
         add_residual_covariance(K, V, dg)
     return g, dg, extra[:, 0], extra[:, 2], extra[:, 1], extra[:, 3] > 0, status
+
+
+def budget_name(kernels, max_regions: int) -> str:
+    """The last stage's budget, as a warning names it."""
+    if int(kernels.INTEGRAL_DIM) >= rqmc.MIN_DIM:
+        return f"randomised QMC ({rqmc.MAX_POINTS} points x {rqmc.REPS} scramblings)"
+    return f"max_regions={max_regions}"
 
 
 def verify_adaptive(adaptive, sel, tol, g, dg, ex, st, runs: int = VERIFY_RUNS):

@@ -843,6 +843,62 @@ def modal_rule_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, tot):
     return fshift
 
 
+@njit(cache=True)
+def modal_refit_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, S0, S1, S2):
+    """Per component j, the moments of u under its partition-of-unity term a_j f phi_j / q (nodes
+    and weights as in ``modal_rule_one``): S0[j] (scaled by exp(-fshift)), S1[j] = sum f u,
+    S2[j] = sum f u u^T. The mean and covariance of each term re-centre its component (one
+    step of population Monte Carlo)."""
+    p = P
+    nt = T
+    D = INTEGRAL_DIM
+    Vinv = np.empty((p, p))
+    logdet_V = _precision(V, Vinv)
+    if logdet_V != logdet_V:
+        return math.nan
+    cLinv = np.zeros((nc, D, D))
+    cln = np.empty(nc)
+    fshift = _log_mix_inv(nc, cL, cla, cLinv, cln)
+    z = np.zeros((p, nt))
+    u = np.empty(D)
+    for j in range(nc):
+        b = cb[j]
+        S0[j] = 0.0
+        for a in range(D):
+            S1[j, a] = 0.0
+            for c in range(D):
+                S2[j, a, c] = 0.0
+        for k in range(nodes.shape[0]):
+            for a in range(D):
+                s = cm[j, a]
+                for c in range(a + 1):
+                    s += cL[j, a, c] * nodes[k, c]
+                u[a] = s
+            lf = _mlogf(b, u, obs, params, z, omega, Vinv, logdet_V)
+            if not (lf > -math.inf):
+                continue
+            f = w[k] * math.exp(lf - fshift + cla[j] - _log_mix(b, u, nc, cb, cm, cLinv, cln, None))
+            if f != f:
+                continue
+            S0[j] += f
+            for a in range(D):
+                S1[j, a] += f * u[a]
+                for c in range(a + 1):
+                    S2[j, a, c] += f * u[a] * u[c]
+    return fshift
+
+
+@njit(cache=True, parallel=True)
+def modal_refit(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, idx, S0, S1, S2):
+    """``modal_refit_one`` for the samples idx of a batch (S0, S1, S2 indexed like idx)."""
+    shared = V.shape[0] == 1
+    for r in prange(idx.shape[0]):
+        i = idx[r]
+        Vi = V[0] if shared else V[i]
+        modal_refit_one(obs[i], omega[i], Vi, params, nc[i], cb[i], cm[i], cL[i], cla[i], nodes, w, S0[r], S1[r],
+                        S2[r])
+
+
 @njit(cache=True, parallel=True)
 def modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, idx, tot, fshift):
     """``modal_rule_one`` for the samples idx of a batch (tot, fshift indexed like idx)."""
