@@ -365,7 +365,7 @@ def test_verified_cubature_keeps_a_claim_only_where_a_finer_run_agrees():
 
 # (tol, reference tol, region budget of both): at k = 4 the SE's budget (smi.se.SE_CERTIFIED_REGIONS),
 # where the estimate is checked also on the samples that end at the budget above tol (a quarter at
-# 1e-4); about 25 min of CPU per four-dimensional model
+# 1e-4); the reference with dense_mode_search; about 22 min of CPU per four-dimensional model
 # (the untied model, k = 5: tol 1e-3 against 1e-4, about 95 min of CPU)
 HONESTY = {"attention_L2_T3": (1e-6, 1e-10, None), "attention_L3_T2": (1e-4, 1e-7, 2000),
            "attention_L2_T2_heads2": (1e-4, 1e-7, 2000), "attention_L2_T2_untied": (1e-3, 1e-4, 2000)}
