@@ -419,6 +419,22 @@ def _log_mix_inv(nc, cL, cla, cLinv, cln):
 
 
 @njit(cache=True)
+def _log_term(j, x, obs, params, z, omega, Vinv, logdet_V, nc, cb, cm, cL, cLinv, cln, cla, fshift, u):
+    """log(a_j f / q) - fshift at u = m_j + L_j x (u and z filled); -inf where f is 0."""
+    D = u.shape[0]
+    for a in range(D):
+        s = cm[j, a]
+        for q in range(a + 1):
+            s += cL[j, a, q] * x[q]
+        u[a] = s
+    b = cb[j]
+    lf = _mlogf(b, u, obs, params, z, omega, Vinv, logdet_V)
+    if not (lf > -math.inf):
+        return -math.inf
+    return lf - fshift + cla[j] - _log_mix(b, u, nc, cb, cm, cLinv, cln, None)
+
+
+@njit(cache=True)
 def _moment_point(j, y, obs, params, z, omega, Vinv, logdet_V, nc, cb, cm, cL, cLinv, cln, cla, fshift, u, x, dz):
     """Log value of component j's integrand at y (in the moment units exp(. - fshift)); fills
     dz = z - omega. Returns -inf where the weight is zero."""
@@ -432,17 +448,10 @@ def _moment_point(j, y, obs, params, z, omega, Vinv, logdet_V, nc, cb, cm, cL, c
         x[i] = y[i] / a
         lj += math.log((1.0 + y[i] * y[i]) / (a * a))
         xx += x[i] * x[i]
-    for a in range(D):
-        s = cm[j, a]
-        for q in range(a + 1):
-            s += cL[j, a, q] * x[q]
-        u[a] = s
-    b = cb[j]
-    lf = _mlogf(b, u, obs, params, z, omega, Vinv, logdet_V)
-    if not (lf > -math.inf):
+    lv = _log_term(j, x, obs, params, z, omega, Vinv, logdet_V, nc, cb, cm, cL, cLinv, cln, cla, fshift, u)
+    if not (lv > -math.inf):
         return -math.inf
-    lv = lf - fshift + cla[j] - 0.5 * xx - 0.5 * D * math.log(2.0 * math.pi) + lj
-    lv -= _log_mix(b, u, nc, cb, cm, cLinv, cln, None)
+    lv += -0.5 * xx - 0.5 * D * math.log(2.0 * math.pi) + lj
     p = z.shape[0]
     nt = z.shape[1]
     for kk in range(p):
@@ -792,6 +801,28 @@ def modal_adaptive(obs, omega, V, params, nc, cb, cm, cL, cla, gp, w7, w5, tol, 
 
 
 @njit(cache=True)
+def _terms_setup(V, nc, cL, cla):
+    """V^-1, log det V, the components' inverse Cholesky factors and log normalised masses, and
+    fshift (nan where V is not positive definite)."""
+    Vinv = np.empty((P, P))
+    logdet_V = _precision(V, Vinv)
+    cLinv = np.zeros((nc, INTEGRAL_DIM, INTEGRAL_DIM))
+    cln = np.empty(nc)
+    fshift = _log_mix_inv(nc, cL, cla, cLinv, cln) if logdet_V == logdet_V else math.nan
+    return Vinv, logdet_V, cLinv, cln, fshift
+
+
+@njit(cache=True)
+def _term_point(j, x, wk, obs, params, z, omega, Vinv, logdet_V, nc, cb, cm, cL, cLinv, cln, cla, fshift, u):
+    """The weighted partition-of-unity integrand of component j at the standard-normal node x:
+    wk a_j f / q (``_log_term``); nan where f is 0 or not finite."""
+    lv = _log_term(j, x, obs, params, z, omega, Vinv, logdet_V, nc, cb, cm, cL, cLinv, cln, cla, fshift, u)
+    if not (lv > -math.inf):
+        return math.nan
+    return wk * math.exp(lv)
+
+
+@njit(cache=True)
 def modal_rule_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, tot):
     """Moment sums [S0, S1, lower S2] of z - omega (scaled by exp(-fshift), fshift = the largest
     log Laplace mass) of the partition-of-unity terms, each by the standard-normal rule
@@ -800,32 +831,19 @@ def modal_rule_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, tot):
     nt = T
     pt = p * nt
     D = INTEGRAL_DIM
-    Vinv = np.empty((p, p))
-    logdet_V = _precision(V, Vinv)
-    if logdet_V != logdet_V:
+    Vinv, logdet_V, cLinv, cln, fshift = _terms_setup(V, nc, cL, cla)
+    if fshift != fshift:
         return math.nan
-    cLinv = np.zeros((nc, D, D))
-    cln = np.empty(nc)
-    fshift = _log_mix_inv(nc, cL, cla, cLinv, cln)
     z = np.zeros((p, nt))
     u = np.empty(D)
     dz = np.empty(pt)
     for q in range(tot.shape[0]):
         tot[q] = 0.0
     for j in range(nc):
-        b = cb[j]
         for k in range(nodes.shape[0]):
-            for a in range(D):
-                s = cm[j, a]
-                for c in range(a + 1):
-                    s += cL[j, a, c] * nodes[k, c]
-                u[a] = s
-            lf = _mlogf(b, u, obs, params, z, omega, Vinv, logdet_V)
-            if not (lf > -math.inf):
-                continue
-            lv = lf - fshift + cla[j] - _log_mix(b, u, nc, cb, cm, cLinv, cln, None)
-            f = w[k] * math.exp(lv)
-            if f != f:
+            f = _term_point(j, nodes[k], w[k], obs, params, z, omega, Vinv, logdet_V, nc, cb, cm, cL, cLinv, cln,
+                            cla, fshift, u)
+            if not (f == f):
                 continue
             for kk in range(p):
                 for tt in range(nt):
@@ -849,36 +867,22 @@ def modal_refit_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, S0, S1
     and weights as in ``modal_rule_one``): S0[j] (scaled by exp(-fshift)), S1[j] = sum f u,
     S2[j] = sum f u u^T. The mean and covariance of each term re-centre its component (one
     step of population Monte Carlo)."""
-    p = P
-    nt = T
-    D = INTEGRAL_DIM
-    Vinv = np.empty((p, p))
-    logdet_V = _precision(V, Vinv)
-    if logdet_V != logdet_V:
+    Vinv, logdet_V, cLinv, cln, fshift = _terms_setup(V, nc, cL, cla)
+    if fshift != fshift:
         return math.nan
-    cLinv = np.zeros((nc, D, D))
-    cln = np.empty(nc)
-    fshift = _log_mix_inv(nc, cL, cla, cLinv, cln)
-    z = np.zeros((p, nt))
+    D = INTEGRAL_DIM
     u = np.empty(D)
+    z = np.zeros((P, T))
     for j in range(nc):
-        b = cb[j]
         S0[j] = 0.0
         for a in range(D):
             S1[j, a] = 0.0
             for c in range(D):
                 S2[j, a, c] = 0.0
         for k in range(nodes.shape[0]):
-            for a in range(D):
-                s = cm[j, a]
-                for c in range(a + 1):
-                    s += cL[j, a, c] * nodes[k, c]
-                u[a] = s
-            lf = _mlogf(b, u, obs, params, z, omega, Vinv, logdet_V)
-            if not (lf > -math.inf):
-                continue
-            f = w[k] * math.exp(lf - fshift + cla[j] - _log_mix(b, u, nc, cb, cm, cLinv, cln, None))
-            if f != f:
+            f = _term_point(j, nodes[k], w[k], obs, params, z, omega, Vinv, logdet_V, nc, cb, cm, cL, cLinv, cln,
+                            cla, fshift, u)
+            if not (f == f):
                 continue
             S0[j] += f
             for a in range(D):
