@@ -10,7 +10,7 @@ standard error of the mean over the entries (relative to their size, at least 1,
 stages). The points double until the estimate meets tol or ``max_points`` per replicate.
 
 Where the cascade's cubature needs 14 s for an estimate of 0.36 (four layers, k = 6), this stage
-reaches ~1e-3 in about a second (docs/performance.md); its error falls as N^-1/2 to N^-3/4, so it
+reaches ~1e-3 in about two seconds (docs/performance.md); its error falls as about N^-2/3, so it
 is the rule for moderate accuracy at large k, not for 1e-8.
 """
 
