@@ -500,13 +500,7 @@ def _modes(m, om, obs, V):
     from aimsym.denoise import modal
 
     K = modal.load(m.kernels)
-    D, n, mc = int(K.INTEGRAL_DIM), om.shape[0], modal.MAX_COMP
-    comp = (np.zeros((n, mc), np.int64), np.zeros((n, mc, D)), np.zeros((n, mc, D, D)), np.zeros((n, mc)))
-    nc = np.zeros(n, np.int64)
-    fl = modal.flips(K)
-    K.modal_modes(obs, om, V[None], m.params_array(), np.ascontiguousarray(modal.tensor(D, modal.SCREEN[D])[0]),
-                  fl if fl.shape[0] else np.zeros((0, D)), modal.N_START, 1.0, *comp, nc)
-    return K, nc, comp
+    return (K, *modal.modes(K, obs, om, V[None], m.params_array()))
 
 
 def test_randomised_qmc_stage_estimate_holds_against_the_certified_cascade():

@@ -227,19 +227,10 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
         chamber_stage(np.flatnonzero(chamber.broad(K, omega, V, params)))
     rest = np.flatnonzero(~done) if not settled() else np.zeros(0, np.int64)
     if rest.size:
-        xs = tensor(D, SCREEN.get(D, 3))[0] * SCREEN_SPREAD
-        fl = flips(K)
-        if fl.shape[0] == 0:
-            fl = np.zeros((0, D))
         m = rest.size
         sub = (lambda a: a[rest]) if V.shape[0] != 1 else (lambda a: a)
-        cb = np.zeros((m, MAX_COMP), np.int64)
-        cm = np.zeros((m, MAX_COMP, D))
-        cL = np.zeros((m, MAX_COMP, D, D))
-        cla = np.zeros((m, MAX_COMP))
-        nc = np.zeros(m, np.int64)
         ob, om, Vr = np.ascontiguousarray(obs[rest]), np.ascontiguousarray(omega[rest]), np.ascontiguousarray(sub(V))
-        K.modal_modes(ob, om, Vr, params, np.ascontiguousarray(xs), fl, N_START, INFLATE, cb, cm, cL, cla, nc)
+        nc, (cb, cm, cL, cla) = modes(K, ob, om, Vr, params)
         st = np.zeros(m, np.int64)
         st[nc < 0] = -nc[nc < 0]
         gf, dgf, exf = np.empty((m, p, T)), np.empty((m, p, T, p, T)), np.zeros((m, 4))
@@ -302,6 +293,23 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
     if getattr(K, "HAS_MARGINAL", False):
         add_residual_covariance(K, V, dg)
     return g, dg, extra[:, 0], extra[:, 2], extra[:, 1], extra[:, 3] > 0, status
+
+
+def modes(K, obs, omega, V, params):
+    """Step 1 for a batch (V leading size 1 or n): the components of each sample's partition of
+    unity, (cb, cm, cL, cla) = branch, mean, Cholesky factor and log Laplace mass, and their
+    count nc (negative: a failure status of the search)."""
+    D = int(K.INTEGRAL_DIM)
+    n = obs.shape[0]
+    xs = np.ascontiguousarray(tensor(D, SCREEN.get(D, 3))[0] * SCREEN_SPREAD)
+    fl = flips(K)
+    if fl.shape[0] == 0:
+        fl = np.zeros((0, D))
+    comp = (np.zeros((n, MAX_COMP), np.int64), np.zeros((n, MAX_COMP, D)), np.zeros((n, MAX_COMP, D, D)),
+            np.zeros((n, MAX_COMP)))
+    nc = np.zeros(n, np.int64)
+    K.modal_modes(obs, omega, V, params, xs, fl, N_START, INFLATE, *comp, nc)
+    return nc, comp
 
 
 def budget_name(kernels, max_regions: int) -> str:
