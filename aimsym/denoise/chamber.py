@@ -35,7 +35,9 @@ import numpy as np
 from .output import difference
 
 # rule sizes (angle nodes per gap, radial nodes) of the successive levels
-LEVELS = ((4, 10), (6, 14), (8, 18), (10, 24), (13, 30), (17, 38), (22, 48))
+# (the two finest settle far-tail samples to ~1e-9 and ~1e-12, where the cubature's estimate can be
+# blind to the switching layers: docs/denoiser.md)
+LEVELS = ((4, 10), (6, 14), (8, 18), (10, 24), (13, 30), (17, 38), (22, 48), (28, 60), (36, 76))
 # width of the switching layers in the gap coordinate: eps = KAPPA / (beta t^2)
 KAPPA = 2.0
 # scale of the logarithmic radial variable
@@ -49,7 +51,7 @@ MAX_GROWTH = 4
 # typical (median) difference between levels i - 1 and i over the SE regimes (two layers at T = 3,
 # three layers at T = 2, docs/denoiser.md): the first comparison is the first level expected to meet
 # tol, so a loose tol does not pay for the fine levels and a tight one skips the coarse ones
-MEDIAN_DIFF = (math.inf, 5e-4, 2e-5, 5e-7, 1e-8, 2e-10, 1e-12)
+MEDIAN_DIFF = (math.inf, 5e-4, 2e-5, 5e-7, 1e-8, 2e-10, 1e-12, 1e-13, 1e-14)
 # node tables are shared by the samples whose radius rounds up to the same 2^(j / RADIUS_GRID)
 RADIUS_GRID = 8
 MAX_TABLE_BYTES = 2**29
@@ -200,15 +202,41 @@ def evaluate(K, obs, omega, V, params, level: int, growth: np.ndarray):
     R = np.empty((n, nb))
     K.chamber_radii(omega, V, params, RADIUS, np.ascontiguousarray(growth, dtype=float), R)
     R = radius_grid(R)
-    blocks = np.broadcast_to(np.arange(nb), (n, nb))
-    idx, (Qt, Wt, St, Et) = tables(K, params, level, blocks.ravel(), R.ravel())
-    tab = np.asarray(idx, np.int64).reshape(n, nb)
     g = np.empty((n, p, T))
     dg = np.empty((n, p, T, p, T))
     extra = np.zeros((n, 4))
     status = np.zeros(n, np.int64)
-    K.chamber_batch(np.ascontiguousarray(obs), omega, V, params, tab, Qt, Wt, St, Et, g, dg, extra, status)
+    blocks = np.arange(nb)
+    for sel in table_groups(R, nodes_per_block(T, level) * (T * T + T + 2) * 8):
+        idx, (Qt, Wt, St, Et) = tables(K, params, level, np.tile(blocks, sel.size), R[sel].ravel())
+        tab = np.asarray(idx, np.int64).reshape(sel.size, nb)
+        Vs = V if V.shape[0] == 1 else np.ascontiguousarray(V[sel])
+        g_s, dg_s, ex_s, st_s = g[sel], dg[sel], extra[sel], status[sel]
+        K.chamber_batch(np.ascontiguousarray(obs[sel]), np.ascontiguousarray(omega[sel]), Vs, params, tab, Qt, Wt,
+                        St, Et, g_s, dg_s, ex_s, st_s)
+        g[sel], dg[sel], extra[sel], status[sel] = g_s, dg_s, ex_s, st_s
     return g, dg, extra, status
+
+
+def table_groups(R: np.ndarray, table_bytes: int) -> list[np.ndarray]:
+    """The samples (rows of R, their blocks' grid radii) in groups whose distinct node tables
+    (table_bytes each, one per block and radius) fit ``MAX_TABLE_BYTES``, at least one sample per
+    group: the fine levels' tables are ~10^8 bytes each, and a batch of far-tail samples has many
+    radii."""
+    order = np.lexsort(R.T[::-1])
+    cap = max(1, MAX_TABLE_BYTES // max(table_bytes, 1))
+    groups, cur, seen = [], [], set()
+    for i in order:
+        new = {(b, float(r)) for b, r in enumerate(R[i])} - seen
+        if cur and len(seen) + len(new) > cap:
+            groups.append(np.array(cur))
+            cur, seen = [], set()
+            new = {(b, float(r)) for b, r in enumerate(R[i])}
+        cur.append(i)
+        seen |= new
+    if cur:
+        groups.append(np.array(cur))
+    return groups
 
 
 def residual_covariance(K, V) -> np.ndarray | None:

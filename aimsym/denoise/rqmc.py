@@ -86,6 +86,9 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
         extra[left, 1] += REPS * step * nc[idx]
         reps = [_finish(K, omega, V, idx, sums[r, left] / count, fshift[left]) for r in range(REPS)]
         gm, dgm, lzm, st = _finish(K, omega, V, idx, sums[:, left].mean(axis=0) / count, fshift[left])
+        # a point whose term overflowed leaves no usable mean: said by the status, not as NaN
+        finite = np.isfinite(lzm) & np.isfinite(gm).all(axis=(1, 2)) & np.isfinite(dgm).all(axis=(1, 2, 3, 4))
+        st = np.where((st == 0) & ~finite, int(K.STATUS_NOT_FINITE), st)
         fine = (st == 0) & np.all([rp[3] == 0 for rp in reps], axis=0)
         est = SAFETY * _spread(reps, gm, dgm) * chamber.final_scale(dgm, chamber.residual_rows(res, idx))
         est = np.where(fine & np.isfinite(est), est, np.inf)
@@ -144,7 +147,8 @@ def _spread(reps, g, dg) -> np.ndarray:
     out = np.zeros(n)
     for k, ref in ((0, g), (1, dg), (2, None)):
         a = np.array([rp[k] for rp in reps]).reshape(R, n, -1)
-        se = a.std(axis=0, ddof=1).max(axis=1) / np.sqrt(R)
+        with np.errstate(invalid="ignore"):  # (an overflowed replicate: NaN, made inf by the caller)
+            se = a.std(axis=0, ddof=1).max(axis=1) / np.sqrt(R)
         scale = 1.0 if ref is None else np.maximum(1.0, np.abs(ref).reshape(n, -1).max(axis=1))
         out = np.maximum(out, se / scale)
     return out
