@@ -244,7 +244,7 @@ def _regime_points(m, rng, n):
 # than the default (modal.SCREEN, modal.N_START), so a mode the default search misses shows as an
 # actual error instead of being missed by both runs
 DENSE_SCREEN = {3: 11, 4: 7, 5: 5}
-DENSE_STARTS = 48
+DENSE_STARTS = 96
 
 
 @contextlib.contextmanager
