@@ -503,10 +503,11 @@ def test_declared_six_dimensional_model_a_tighter_tol_never_returns_a_worse_esti
 
 def test_cross_check_raises_an_estimate_that_another_stage_refutes():
     """Two stages' results that differ beyond both estimates cannot both hold: the kept one's
-    estimate becomes at least difference + the other's estimate (relative to its own size), also
-    where the other stage stopped above tol (its estimate is still a claim); a result the other
-    stage confirms within the estimates keeps its estimate."""
-    from aimsym.denoise.modal import cross_checked
+    estimate becomes at least difference + the other's estimate (relative to its own size) where
+    the other's estimate is within tol or within modal.EVIDENCE (a stage stopped above a tight tol
+    with a few digits still makes a claim); a result the other stage confirms within the
+    estimates keeps its estimate; an estimate above both, or NaN results, are no evidence."""
+    from aimsym.denoise.modal import EVIDENCE, cross_checked
 
     rng = np.random.default_rng(0)
     g, dg, lz = rng.standard_normal((3, 2, 2)), rng.standard_normal((3, 2, 2, 2, 2)), rng.standard_normal(3)
@@ -516,18 +517,21 @@ def test_cross_check_raises_an_estimate_that_another_stage_refutes():
     lzo[1] += 1e-9  # sample 1: within both estimates
     dgo[2] *= 100.0  # sample 2: the other's dg_out is large; its estimate relative to that size
     eo = np.array([1e-6, 1e-8, 1e-2])
-    out = cross_checked(g, dg, lz, est, [(np.arange(3), go, dgo, lzo, eo)])
-    scale = max(1.0, np.abs(g[0]).max())
-    assert out[0] == pytest.approx((1e-3 + 1e-6 * max(1.0, np.abs(go[0]).max())) / scale)
+    out = cross_checked(g, dg, lz, est, [(np.arange(3), go, dgo, lzo, eo)], tol=0.1)
+    raised0 = (1e-3 + 1e-6 * max(1.0, np.abs(go[0]).max())) / max(1.0, np.abs(g[0]).max())
+    assert out[0] == pytest.approx(raised0)
     assert out[1] == est[1]
     # |dg - dgo| = 99 |dg| against 1e-2 * 100 max|dg|: the other's claim cannot hold with ours
     gap, sa, sb = np.abs(dg[2] - dgo[2]).max(), max(1.0, np.abs(dg[2]).max()), max(1.0, np.abs(dgo[2]).max())
     assert gap > 1e-8 * sa + 1e-2 * sb
     assert out[2] == pytest.approx((gap + 1e-2 * sb) / sa)
-    # no estimate (the stage gave none) is no evidence, nor are NaN results
-    assert np.array_equal(cross_checked(g, dg, lz, est, [(np.arange(3), go, dgo, lzo, np.full(3, np.inf))]), est)
+    # at tol 1e-9 the other stage stopped above tol everywhere: its 1e-6 claim still counts, its
+    # 1e-2 (above EVIDENCE) does not
+    assert eo[0] <= EVIDENCE < eo[2]
+    tight = cross_checked(g, dg, lz, est, [(np.arange(3), go, dgo, lzo, eo)], tol=1e-9)
+    assert tight[0] == pytest.approx(raised0) and tight[1] == est[1] and tight[2] == est[2]
     go[:] = np.nan
-    assert np.array_equal(cross_checked(g, dg, lz, est, [(np.arange(3), go, dgo, lzo, eo)]), est)
+    assert np.array_equal(cross_checked(g, dg, lz, est, [(np.arange(3), go, dgo, lzo, eo)], tol=0.1), est)
 
 
 def test_student_t_points_with_their_weights_are_a_standard_normal_rule():

@@ -56,6 +56,9 @@ SCREEN_SPREAD = 1.0
 N_START = 48
 INFLATE = 1.0
 MAX_COMP = 64
+# the largest estimate of a stage that stopped above tol whose result still counts as evidence
+# against another's (``cross_checked``): three digits
+EVIDENCE = 1e-3
 # default budget: regions of the adaptive cubature per sample (each costs one Genz-Malik rule,
 # 2^D + 2 D^2 + 1 evaluations; memory (1 + pT + pT (pT + 1) / 2) doubles per region)
 MAX_REGIONS = 100_000
@@ -293,7 +296,7 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
             ex2[:, 1] += extra[idx, 1]
             g[idx[better]], dg[idx[better]], extra[idx[better]] = g2[better], dg2[better], ex2[better]
             status[idx[(st2 != 0) & ~np.isfinite(extra[idx, 2])]] = st2[(st2 != 0) & ~np.isfinite(extra[idx, 2])]
-    extra[:, 2] = cross_checked(g, dg, extra[:, 0], extra[:, 2], others)
+    extra[:, 2] = cross_checked(g, dg, extra[:, 0], extra[:, 2], others, tol)
     if getattr(K, "HAS_MARGINAL", False):
         add_residual_covariance(K, V, dg)
     return g, dg, extra[:, 0], extra[:, 2], extra[:, 1], extra[:, 3] > 0, status
@@ -352,24 +355,25 @@ def verify_adaptive(adaptive, sel, tol, g, dg, ex, st, runs: int = VERIFY_RUNS):
         todo = i[~agree & (ex2[j, 2] <= t)]
 
 
-def cross_checked(g, dg, lz, est, others) -> np.ndarray:
+def cross_checked(g, dg, lz, est, others, tol: float) -> np.ndarray:
     """The estimates of the results kept, raised where another stage's result disagrees with one
     beyond both estimates: one of the two claims is then false, and the other's claim, if it
     holds, bounds the kept result's error by their difference plus the other's estimate. (A stage
     that found only some of the posterior's modes, or whose nodes never saw a thin switching
-    layer, can report a small estimate for a wrong integral: its rule converges on what it saw.
-    Another stage's different answer is the evidence, also where that stage stopped above tol:
-    its estimate is still a claim. The far-tail sample where the cubature converged to an answer
-    2.7e-5 off with an estimate of 1e-9, while the chamber rule's finest level within budget was
-    right to its own 3.6e-7, is in docs/denoiser.md.) Per quantity (g_out, dg_out: estimates
-    relative to each result's own size, at least 1; log Z_out: absolute) the two claims together
-    allow |a - b| <= est s_a + est_b s_b."""
+    layer, can report a small estimate for a wrong integral: its rule converges on what it saw.)
+    The other stage's claim is evidence where its estimate is within tol or within
+    ``EVIDENCE`` (a stage that stopped above a tight tol with a few digits: at a far-tail sample
+    the cubature converged 2.7e-5 off with an estimate of 1e-9, while the chamber rule's finest
+    level within budget was right to its own 3.6e-7, docs/denoiser.md); a larger estimate says
+    the rule has not resolved the integral, and its last change is no evidence. Per quantity
+    (g_out, dg_out: estimates relative to each result's own size, at least 1; log Z_out:
+    absolute) the two claims together allow |a - b| <= est s_a + est_b s_b."""
     est = est.copy()
     for idx, go, dgo, lzo, eo in others:
         if idx.size == 0:
             continue
         n = idx.size
-        real = np.isfinite(eo) & np.isfinite(lzo) & np.isfinite(go.reshape(n, -1)).all(axis=1) \
+        real = (eo <= max(tol, EVIDENCE)) & np.isfinite(lzo) & np.isfinite(go.reshape(n, -1)).all(axis=1) \
             & np.isfinite(dgo.reshape(n, -1)).all(axis=1)
         e = est[idx]
         raised = np.zeros(n)
