@@ -271,7 +271,8 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
             g[idx[better]], dg[idx[better]], extra[idx[better]] = g3[better], dg3[better], ex3[better]
             extra[idx[~better], 1] = ex3[~better, 1]
             done[idx[ok3 & (ex3[:, 2] <= tol)]] = True
-            status[idx[~ok3 & ~np.isfinite(extra[idx, 2])]] = st3[~ok3 & ~np.isfinite(extra[idx, 2])]
+            lost = ~ok3 & ~np.isfinite(extra[idx, 2])  # (a failure counts where no stage has a result)
+            status[idx[lost]] = st3[lost]
             left = left[:0]  # (the adaptive cubature's 2^k-point regions cost more and gain less there)
         if left.size and not settled():
             gp, w7, w5 = genz_malik(D)
