@@ -2,7 +2,7 @@
 
 model: attention_L1_T2
 spec hash: c3efac14bf93124d
-generator: 0.1.0+c456bd856e
+generator: 0.1.0+4fdb8c6ab8
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'c3efac14bf93124d'
-GENERATOR_VERSION = '0.1.0+c456bd856e'
+GENERATOR_VERSION = '0.1.0+4fdb8c6ab8'
 NAME = 'attention_L1_T2'
 P = 1
 T = 2

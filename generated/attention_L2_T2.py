@@ -2,7 +2,7 @@
 
 model: attention_L2_T2
 spec hash: 2161f6543159659e
-generator: 0.1.0+c456bd856e
+generator: 0.1.0+4fdb8c6ab8
 denoiser path: exact (y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '2161f6543159659e'
-GENERATOR_VERSION = '0.1.0+c456bd856e'
+GENERATOR_VERSION = '0.1.0+4fdb8c6ab8'
 NAME = 'attention_L2_T2'
 P = 2
 T = 2
@@ -63,7 +63,7 @@ DRIVERS = ('driver',)
 # plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)
 INDEX_LABELS = ((1, 0, 'w', 0), (2, 0, 'w', 0))
 SIGN_SYMMETRIES = (('layer 1: z_1 -> -z_1', (0,)), ('layer 2: z_2 -> -z_2', (1,)), ('Z -> -Z', (0, 1)))
-COUNTING = {'m': 2, 'p': 2, 'alpha_pr': 1.0, 'margin': 34599971935318.906, 'noiseless': True, 'note': 'Bayes-optimal error > 0 for alpha < alpha_PR = p/m'}
+COUNTING = {'m': 2, 'p': 2, 'alpha_pr': 1.0, 'margin': None, 'noiseless': True, 'note': 'Bayes-optimal error > 0 for alpha < alpha_PR = p/m'}
 REDUCTION_REASON = 'y determines h = M_{L-1} z_L^T up to a global sign; z_L enters linearly'
 
 

@@ -2,7 +2,7 @@
 
 model: attention_L2_T2_untied
 spec hash: d8a6e2bfe6d0f663
-generator: 0.1.0+c456bd856e
+generator: 0.1.0+4fdb8c6ab8
 denoiser path: exact (untied softmax last layer: y fixes q d^T (d: key differences); query integrated exactly, key marginalised analytically down to d; reduced integral of dimension 5)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'd8a6e2bfe6d0f663'
-GENERATOR_VERSION = '0.1.0+c456bd856e'
+GENERATOR_VERSION = '0.1.0+4fdb8c6ab8'
 NAME = 'attention_L2_T2_untied'
 P = 4
 T = 2
@@ -63,7 +63,7 @@ DRIVERS = ('driver',)
 # plain data for the solvers (solving needs no SymPy): row k of Z is (layer, head, role, rank)
 INDEX_LABELS = ((1, 0, 'q', 0), (1, 0, 'k', 0), (2, 0, 'q', 0), (2, 0, 'k', 0))
 SIGN_SYMMETRIES = (('layer 1: z_1 -> -z_1', (0, 1)), ('layer 2: z_2 -> -z_2', (2, 3)), ('Z -> -Z', (0, 1, 2, 3)))
-COUNTING = {'m': 2, 'p': 4, 'alpha_pr': 2.0, 'margin': 1075773902200.1283, 'noiseless': True, 'note': 'Bayes-optimal error > 0 for alpha < alpha_PR = p/m'}
+COUNTING = {'m': 2, 'p': 4, 'alpha_pr': 2.0, 'margin': None, 'noiseless': True, 'note': 'Bayes-optimal error > 0 for alpha < alpha_PR = p/m'}
 REDUCTION_REASON = 'untied softmax last layer: y fixes q d^T (d: key differences); query integrated exactly, key marginalised analytically down to d; reduced integral of dimension 5'
 
 

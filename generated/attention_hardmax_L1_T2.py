@@ -2,7 +2,7 @@
 
 model: attention_hardmax_L1_T2
 spec hash: f90cb13227cdef10
-generator: 0.1.0+c456bd856e
+generator: 0.1.0+4fdb8c6ab8
 denoiser path: exact (hardmax, one layer, T = 2: region constraint (union of wedges), closed form in radius)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'f90cb13227cdef10'
-GENERATOR_VERSION = '0.1.0+c456bd856e'
+GENERATOR_VERSION = '0.1.0+4fdb8c6ab8'
 NAME = 'attention_hardmax_L1_T2'
 P = 1
 T = 2

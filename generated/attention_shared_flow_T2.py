@@ -2,7 +2,7 @@
 
 model: attention_shared_flow_T2
 spec hash: 90dcd309d0d3b0e1
-generator: 0.1.0+c456bd856e
+generator: 0.1.0+4fdb8c6ab8
 denoiser path: generic (noisy channel, Delta > 0) (no exact reduction: large-depth limit (the mixing product is the flow of an ODE, not invertible in closed form))
 
 Spec:
@@ -35,7 +35,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '90dcd309d0d3b0e1'
-GENERATOR_VERSION = '0.1.0+c456bd856e'
+GENERATOR_VERSION = '0.1.0+4fdb8c6ab8'
 NAME = 'attention_shared_flow_T2'
 P = 1
 T = 2

@@ -2,7 +2,7 @@
 
 model: gaussian_channel
 spec hash: 30a034455c6f064b
-generator: 0.1.0+c456bd856e
+generator: 0.1.0+4fdb8c6ab8
 denoiser path: generic (noisy channel, Delta > 0) (noisy channel (noise > 0): integrated over all of Z)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '30a034455c6f064b'
-GENERATOR_VERSION = '0.1.0+c456bd856e'
+GENERATOR_VERSION = '0.1.0+4fdb8c6ab8'
 NAME = 'gaussian_channel'
 P = 1
 T = 1

@@ -2,7 +2,7 @@
 
 model: glm_phase_retrieval
 spec hash: b7c6dde76d041296
-generator: 0.1.0+c456bd856e
+generator: 0.1.0+4fdb8c6ab8
 denoiser path: exact (solved y = g(Z) for z_0_0 (2 branches))
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'b7c6dde76d041296'
-GENERATOR_VERSION = '0.1.0+c456bd856e'
+GENERATOR_VERSION = '0.1.0+4fdb8c6ab8'
 NAME = 'glm_phase_retrieval'
 P = 1
 T = 1

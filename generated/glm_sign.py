@@ -2,7 +2,7 @@
 
 model: glm_sign
 spec hash: c64eee4aaf29a557
-generator: 0.1.0+c456bd856e
+generator: 0.1.0+4fdb8c6ab8
 denoiser path: exact (sign of a single index (z_0_0): half-space constraint, closed form)
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = 'c64eee4aaf29a557'
-GENERATOR_VERSION = '0.1.0+c456bd856e'
+GENERATOR_VERSION = '0.1.0+4fdb8c6ab8'
 NAME = 'glm_sign'
 P = 1
 T = 1

@@ -2,7 +2,7 @@
 
 model: hardmax_L2_T2
 spec hash: 7508f35d33687fef
-generator: 0.1.0+c456bd856e
+generator: 0.1.0+4fdb8c6ab8
 denoiser path: exact (hardmax last layer after a tied rank-one first layer, T = 2: region constraint (z_2 in a union of wedges depending on z_1), 2-D integral over z_1)
 
 Spec:
@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '7508f35d33687fef'
-GENERATOR_VERSION = '0.1.0+c456bd856e'
+GENERATOR_VERSION = '0.1.0+4fdb8c6ab8'
 NAME = 'hardmax_L2_T2'
 P = 2
 T = 2

@@ -2,7 +2,7 @@
 
 model: mim_product
 spec hash: 256c784af7e77580
-generator: 0.1.0+c456bd856e
+generator: 0.1.0+4fdb8c6ab8
 denoiser path: exact (solved y = g(Z) for z_1_0 (1 branch))
 
 Spec:
@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 SPEC_HASH = '256c784af7e77580'
-GENERATOR_VERSION = '0.1.0+c456bd856e'
+GENERATOR_VERSION = '0.1.0+4fdb8c6ab8'
 NAME = 'mim_product'
 P = 2
 T = 1

@@ -155,6 +155,9 @@ def _mean_field_mixing(tau: float, beta: float, tokens: int, activation: str) ->
         err = 0.0  # Sbar is exact; only the ODE's tolerance remains
     else:
         err = float(np.abs(M - _flow(tau, beta, tokens, activation, Rule.make(tokens, n // 2))).max())
+    # 12 significant digits: far below the error (~1e-9), above the last-digit noise of the ODE
+    # solve across BLAS builds, so the generated modules are the same text on every machine
+    M = np.vectorize(lambda x: float(f"{x:.12g}"))(M)
     return MeanFieldMixing(M, max(err, ODE_RTOL * float(np.abs(M).max())), n, tau, beta, activation)
 
 

@@ -809,6 +809,10 @@ def numeric_function(d: Derivation, outputs, shape, extra_defs=()):
 # spectrum has a gap of at least COUNTING_GAP between the kept and the dropped values
 COUNTING_RTOL = 1e-8
 COUNTING_GAP = 1e4
+# a dropped singular value below COUNTING_ROUNDING * the largest is zero to rounding: its size is
+# BLAS- and CPU-dependent, so the gap is then reported as None (infinite), which keeps the
+# generated modules identical across machines; finite gaps are rounded to 3 significant digits
+COUNTING_ROUNDING = 1e-12
 
 
 def counting_rank(d: Derivation, n_points: int = 12, seed: int = 2024) -> dict:
@@ -817,7 +821,8 @@ def counting_rank(d: Derivation, n_points: int = 12, seed: int = 2024) -> dict:
 
     m is the largest numerical rank of the Jacobian over ``n_points`` random Z ~ N(0, I) with
     parameters drawn in [0.5, 2]; each rank is read off a gap of at least COUNTING_GAP in the
-    singular values (else the margin is reported as unclear). A link whose Jacobian vanishes
+    singular values (else the margin is reported as unclear; a dropped value at rounding level
+    makes the margin None, i.e. unbounded). A link whose Jacobian vanishes
     (sign, hardmax: discrete outputs) has m = 0 and is never perfectly recovered; nor is a
     noisy one (the bound then holds only at Delta = 0, said in ``note``).
     """
@@ -841,7 +846,7 @@ def counting_rank(d: Derivation, n_points: int = 12, seed: int = 2024) -> dict:
         kept = s[r - 1] if r > 0 else s[0]
         dropped = s[r] if r < s.size else 0.0
         ranks.append(r)
-        margins.append(np.inf if dropped == 0.0 else kept / dropped)
+        margins.append(np.inf if dropped <= COUNTING_ROUNDING * s[0] else kept / dropped)
     if not ranks:
         return {"m": None, "alpha_pr": None, "margin": None, "noiseless": None,
                 "note": "the Jacobian was not finite at any random point: rank not determined"}
@@ -861,7 +866,7 @@ def counting_rank(d: Derivation, n_points: int = 12, seed: int = 2024) -> dict:
     if margin < COUNTING_GAP:
         note += f"; unclear rank margin (singular-value gap {margin:.3g} < {COUNTING_GAP:g})"
     return {"m": m, "p": d.p, "alpha_pr": alpha_pr if (noiseless or isinstance(noise, str)) else None,
-            "margin": None if not np.isfinite(margin) else margin, "noiseless": noiseless, "note": note}
+            "margin": None if not np.isfinite(margin) else float(f"{margin:.3g}"), "noiseless": noiseless, "note": note}
 
 
 def detect_symmetries(d: Derivation, n_points: int = 6, seed: int = 12345) -> list[dict]:
