@@ -230,6 +230,7 @@ def test_untied_se_tol_follows_the_statistical_error():
     assert den.rule == "modal" and den.tol == pytest.approx(se.SE_STAT_SHARE / np.sqrt(512))
 
 
+@pytest.mark.slow
 def test_untied_rule_matches_the_adaptive_cubature(monkeypatch):
     """Two untied layers at T = 2 (k = 5): the untied chamber rule against the mode-centred adaptive
     cubature (an independent rule over all five coordinates) within the two estimates."""
@@ -323,6 +324,7 @@ def test_combination_budget_sets_the_finest_level():
     assert m.denoiser(rule="modal", max_combinations=123).max_combinations == 123
 
 
+@pytest.mark.slow
 def test_budget_bench_reports_each_budget():
     """bench.denoiser --budget (the numbers behind the SE's budgets in docs/performance.md): one
     line per budget, with its count above tol and a finite mean estimate."""

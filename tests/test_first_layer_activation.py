@@ -92,7 +92,7 @@ def reduced_moments(first, h, omega, V, n=160):
     return log_z, mean, second
 
 
-@pytest.mark.parametrize("first", ["linear", "hardmax"])
+@pytest.mark.parametrize("first", [pytest.param("linear", marks=pytest.mark.slow), "hardmax"])
 def test_denoiser_matches_independent_integral_with_honest_estimate(tmp_path, first):
     """Three SE-like points (one with the last layer nearly known): the certified denoiser at tol
     1e-6 against the reference at two sizes (their difference is the reference's own error)."""

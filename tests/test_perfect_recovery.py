@@ -245,7 +245,7 @@ def test_two_layers_rank_identity_near_V0():
 
 @pytest.mark.parametrize("name, m, samples", [
     ("mim_product", 1, 1024),
-    ("attention_L2_T3", 3, 512),
+    pytest.param("attention_L2_T3", 3, 512, marks=pytest.mark.slow),
     pytest.param("attention_L3_T2", 2, 1024, marks=pytest.mark.slow),
     pytest.param("attention_L2_T2_heads2", 2, 1024, marks=pytest.mark.slow),
 ])

@@ -33,6 +33,7 @@ def test_approach_to_a_fixed_point_short_of_one_does_not_jump(e_star, rate):
         assert not se._perfect_ahead(r[:k], float(e[k])), k
 
 
+@pytest.mark.slow
 def test_two_layers_reach_perfect_recovery_just_above_local_stability():
     """Two layers at skip 1, alpha = 1.075 (local stability of Q = I at 1.056 +- 0.030): 1 - Q_11
     contracts by ~0.985 per step. Without the slow jump the SE does not reach the resolution in
