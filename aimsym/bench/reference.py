@@ -1,0 +1,192 @@
+"""A long randomised-QMC reference at one SE point, in resumable chunks, against the chamber rule.
+
+    python -m aimsym.bench.reference --state DIR [--model attention_L4_T2] [--point 3] [--v 0.6]
+        [--tol 1e-6] [--combinations 1.3e10] [--log-n 27] [--seeds 8] [--nu 30] [--chunk 20]
+
+The chamber rule's claim at k = 6 (tol 1e-6 with a raised budget) needs an independent value with
+a standard error of a few 1e-7, which the k >= 6 stage (``aimsym.denoise.rqmc``) reaches only
+after hours of CPU. This command computes both and keeps its work on disk:
+
+- the chamber rule's answer at the point (``chamber.npz``: values, estimate, CPU time);
+- per seed, the proposal (the modal components after the population-Monte-Carlo refits) and, per
+  scrambling, the moment sums of the points done so far (``qmc_<seed>.npz``), written after every
+  chunk of 2^chunk points per scrambling. A stopped run resumes where it stopped: the Sobol
+  engines are fast-forwarded past the points already summed, so the result is the one an
+  uninterrupted run gives.
+
+It prints the comparison (chamber minus QMC mean over the seeds, the seeds' standard error, the
+largest |t| over the entries) after every round of chunks, and the seeds' standard error per
+quantity. Points as in the slow test of tests/test_denoiser_certified.py: omega ~ N(0, 1 - v),
+Z ~ N(omega, v I) from ``default_rng(point)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import qmc
+
+from aimsym.bench.denoiser import load_bench_model
+from aimsym.denoise import modal, rqmc
+
+
+def _save(path: Path, d: dict) -> None:
+    """np.savez, atomically (a run stopped while writing leaves the former file)."""
+    tmp = path.with_name(path.stem + ".part.npz")
+    np.savez(tmp, **d)
+    os.replace(tmp, path)
+
+
+def se_point(model, point: int, v: float):
+    """(omega (1, p, T), observation (1, n_obs), V) of the slow tests' SE point ``point``."""
+    rng = np.random.default_rng(point)
+    p, T = model.p, model.tokens
+    V = v * np.eye(p)
+    om = np.linalg.cholesky(np.eye(p) - V) @ rng.standard_normal((p, T))
+    Z = om + np.linalg.cholesky(V) @ rng.standard_normal((p, T))
+    return om[None], model.observation(Z)[None], V
+
+
+def chamber(model, om, obs, V, tol: float, combinations: float, path: Path) -> dict:
+    """The cascade's answer (chamber rule with the raised budget), computed once and kept."""
+    if path.exists():
+        return dict(np.load(path))
+    t = time.process_time()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = model.denoiser(rule="modal", tol=tol, max_combinations=int(combinations))(None, om, V, obs=obs)
+    res = {"g": out.g_out[0], "dg": out.dg_out[0], "lz": np.float64(out.log_z_out[0]),
+           "error": np.float64(out.error[0]), "cpu": np.float64(time.process_time() - t)}
+    _save(path, res)
+    return res
+
+
+def _engines(seed: int, D: int, done: int):
+    engines = [qmc.Sobol(D + 1, scramble=True, seed=np.random.default_rng([seed, r])) for r in range(rqmc.REPS)]
+    for e in engines:
+        if done:
+            e.fast_forward(done)
+    return engines
+
+
+def seed_state(K, om, obs, V, params, seed: int, path: Path) -> dict:
+    """A seed's proposal and sums (made on first use: the modes and two refits)."""
+    if path.exists():
+        return dict(np.load(path))
+    nc, (cb, cm, cL, cla) = modal.modes(K, obs, om, V[None], params)
+    cm, cL, cla = cm.copy(), cL.copy(), cla.copy()
+    pilot = qmc.Sobol(int(K.INTEGRAL_DIM) + 1, scramble=True, seed=np.random.default_rng([seed, rqmc.REPS]))
+    for _ in range(rqmc.REFITS):
+        rqmc.refit(K, obs, om, V[None], params, nc, cb, cm, cL, cla, np.arange(1), pilot)
+    pt = om.shape[1] * om.shape[2]
+    st = {"nc": nc, "cb": cb, "cm": cm, "cL": cL, "cla": cla, "count": np.int64(0),
+          "sums": np.zeros((rqmc.REPS, 1 + pt + pt * (pt + 1) // 2)), "fshift": np.float64(np.nan),
+          "cpu": np.float64(0.0)}
+    _save(path, st)
+    return st
+
+
+def advance(K, om, obs, V, params, st: dict, seed: int, n: int, nu: float) -> dict:
+    """The next n points of each scrambling added to the seed's sums."""
+    D = int(K.INTEGRAL_DIM)
+    t = time.process_time()
+    engines = _engines(seed, D, int(st["count"]))
+    sums = st["sums"].copy()
+    fs = np.empty(1)
+    for r, eng in enumerate(engines):
+        x, w = rqmc.t_points(eng, D, n, nu)
+        tot = np.zeros((1, sums.shape[1]))
+        K.modal_rule(obs, om, V[None], params, st["nc"], st["cb"], st["cm"], st["cL"], st["cla"], x, w,
+                     np.arange(1), tot, fs)
+        sums[r] += tot[0]
+    return {**st, "sums": sums, "count": np.int64(int(st["count"]) + n), "fshift": np.float64(fs[0]),
+            "cpu": np.float64(float(st["cpu"]) + time.process_time() - t)}
+
+
+def seed_values(K, om, V, st: dict):
+    """(g, dg, log Z) of one seed: the mean over its scramblings' sums."""
+    tot = st["sums"].mean(axis=0)[None] / int(st["count"])
+    g, dg, lz, status = rqmc._finish(K, om, V[None], np.arange(1), tot, np.array([float(st["fshift"])]))
+    if status[0] != 0:
+        raise RuntimeError(f"seed values: status {int(status[0])}")
+    return g[0], dg[0], float(lz[0])
+
+
+def compare(ref: dict, values: list) -> dict:
+    """Chamber minus the seeds' mean, the seeds' standard error and the largest |t|, per quantity
+    (g_out and dg_out relative to the chamber rule's size, at least 1: the denoiser's metric)."""
+    out = {}
+    s = len(values)
+    for k, name in ((0, "g"), (1, "dg"), (2, "lz")):
+        a = np.array([v[k] for v in values]).reshape(s, -1)
+        ours = np.atleast_1d(ref[name]).ravel()
+        scale = 1.0 if name == "lz" else max(1.0, float(np.abs(ours).max()))
+        se = a.std(axis=0, ddof=1) / np.sqrt(s)
+        d = ours - a.mean(axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.where(se > 0, np.abs(d) / se, 0.0)
+        out[name] = {"difference": float(np.abs(d).max() / scale), "stderr": float(se.max() / scale),
+                     "t_max": float(t.max())}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--state", type=Path, required=True, help="directory of the kept work (made if missing)")
+    ap.add_argument("--model", default="attention_L4_T2")
+    ap.add_argument("--point", type=int, default=3)
+    ap.add_argument("--v", type=float, default=0.6, help="V = v I")
+    ap.add_argument("--tol", type=float, default=1e-6, help="the chamber rule's tol")
+    ap.add_argument("--combinations", type=float, default=1.3e10, help="the chamber rule's max_combinations")
+    ap.add_argument("--log-n", type=int, default=27, help="points per scrambling: 2^log_n")
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--nu", type=float, default=30.0, help="degrees of freedom of the Student-t proposal")
+    ap.add_argument("--chunk", type=int, default=20, help="points per scrambling per saved step: 2^chunk")
+    ap.add_argument("--no-chamber", action="store_true", help="only the QMC (no comparison)")
+    a = ap.parse_args(argv)
+    a.state.mkdir(parents=True, exist_ok=True)
+    settings = {k: getattr(a, k) for k in ("model", "point", "v", "tol", "combinations", "seeds", "nu")}
+    sfile = a.state / "settings.json"
+    if sfile.exists() and json.loads(sfile.read_text()) != settings:
+        raise SystemExit(f"error: --state {a.state} holds another run ({sfile.read_text().strip()}); use a new directory")
+    sfile.write_text(json.dumps(settings))
+    m = load_bench_model(a.model, c=1.0)
+    K = modal.load(m.kernels)
+    params = m.params_array()
+    om, obs, V = se_point(m, a.point, a.v)
+    ref = None if a.no_chamber else chamber(m, om, obs, V, a.tol, a.combinations, a.state / "chamber.npz")
+    if ref is not None:
+        print(f"chamber rule: log Z {float(ref['lz']):.10f}, estimate {float(ref['error']):.2e}, "
+              f"CPU {float(ref['cpu']):.0f} s", flush=True)
+    states = [seed_state(K, om, obs, V, params, s, a.state / f"qmc_{s}.npz") for s in range(a.seeds)]
+    target, step = 2 ** a.log_n, 2 ** a.chunk
+    while True:
+        done = min(int(st["count"]) for st in states)
+        if done:
+            values = [seed_values(K, om, V, st) for st in states]
+            cpu = sum(float(st["cpu"]) for st in states)
+            line = f"{done} points x {rqmc.REPS} x {a.seeds} seeds, QMC CPU {cpu:.0f} s: log Z " \
+                   f"{np.mean([v[2] for v in values]):.10f}"
+            if ref is not None:
+                c = compare(ref, values)
+                line += "; " + ", ".join(f"{k}: chamber - QMC {c[k]['difference']:.2e} (se {c[k]['stderr']:.2e}, "
+                                         f"|t| <= {c[k]['t_max']:.2f})" for k in ("lz", "g", "dg"))
+                (a.state / "comparison.json").write_text(json.dumps({"points": done, "cpu": cpu, **c}, indent=1))
+            print(line, flush=True)
+        if done >= target:
+            return 0
+        for s, st in enumerate(states):
+            if int(st["count"]) == done:
+                n = min(step, target - done) if done else min(step, target)
+                states[s] = advance(K, om, obs, V, params, st, s, n, a.nu)
+                _save(a.state / f"qmc_{s}.npz", states[s])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

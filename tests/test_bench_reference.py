@@ -1,0 +1,67 @@
+"""The resumable randomised-QMC reference (aimsym.bench.reference): the k >= 6 stage's points,
+kept on disk so that a stopped run resumes to the same bits, and its comparison with the chamber
+rule. Run here on two layers at T = 3 (k = 3: cheap, and the chamber rule is certified there)."""
+
+import json
+import warnings
+
+import numpy as np
+
+from aimsym.bench import reference
+from aimsym.bench.denoiser import load_bench_model
+from aimsym.denoise import modal, rqmc
+
+MODEL = "attention_L2_T3"
+
+
+def _run(state, *extra):
+    return reference.main(["--state", str(state), "--model", MODEL, "--point", "1", *extra])
+
+
+def test_a_resumed_run_gives_the_bits_of_an_uninterrupted_one(tmp_path):
+    common = ("--no-chamber", "--chunk", "10", "--seeds", "2")
+    _run(tmp_path / "once", "--log-n", "12", *common)
+    _run(tmp_path / "twice", "--log-n", "11", *common)
+    _run(tmp_path / "twice", "--log-n", "12", *common)
+    for s in range(2):
+        a, b = np.load(tmp_path / "once" / f"qmc_{s}.npz"), np.load(tmp_path / "twice" / f"qmc_{s}.npz")
+        assert int(a["count"]) == int(b["count"]) == 4096
+        assert np.array_equal(a["sums"], b["sums"])
+
+
+def test_one_seed_is_the_denoisers_qmc_stage(tmp_path):
+    """With the stage's proposal (nu = 4) and one step, the reference's seed 0 is rqmc.run's answer."""
+    _run(tmp_path, "--no-chamber", "--log-n", "12", "--chunk", "12", "--seeds", "1", "--nu", "4")
+    m = load_bench_model(MODEL, c=1.0)
+    K = modal.load(m.kernels)
+    om, obs, V = reference.se_point(m, 1, 0.6)
+    nc, (cb, cm, cL, cla) = modal.modes(K, obs, om, V[None], m.params_array())
+    g, dg, ex, st = rqmc.run(K, obs, om, V[None], m.params_array(), nc, cb, cm, cL, cla, np.arange(1), 1e-12,
+                             max_points=4096, seed=0)
+    ours = reference.seed_values(K, om, V, dict(np.load(tmp_path / "qmc_0.npz")))
+    assert st[0] == 0
+    np.testing.assert_allclose(ours[0], g[0], rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(ours[1], dg[0], rtol=1e-13, atol=1e-13)
+    assert abs(ours[2] - ex[0, 0]) <= 1e-13
+
+
+def test_comparison_with_the_chamber_rule_agrees_within_the_qmc_error(tmp_path):
+    """At k = 3 the chamber rule at tol 1e-7 is far more accurate than 4 seeds of 2^14 points, so the
+    comparison must show agreement within a few of the QMC's standard errors, and a shifted value
+    must show as a large |t|."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _run(tmp_path, "--log-n", "14", "--chunk", "13", "--seeds", "4", "--tol", "1e-7", "--combinations", "2e7")
+    c = json.loads((tmp_path / "comparison.json").read_text())
+    assert c["points"] == 2**14
+    for q in ("lz", "g", "dg"):
+        assert 0 < c[q]["stderr"] < 1e-3
+        assert c[q]["difference"] <= 5 * c[q]["stderr"] + 1e-7, (q, c[q])
+    ref = dict(np.load(tmp_path / "chamber.npz"))
+    assert ref["error"] <= 1e-7
+    m = load_bench_model(MODEL, c=1.0)
+    K = modal.load(m.kernels)
+    om, _, V = reference.se_point(m, 1, 0.6)
+    values = [reference.seed_values(K, om, V, dict(np.load(tmp_path / f"qmc_{s}.npz"))) for s in range(4)]
+    shifted = reference.compare({**ref, "lz": ref["lz"] + 50 * c["lz"]["stderr"]}, values)
+    assert shifted["lz"]["t_max"] > 20
