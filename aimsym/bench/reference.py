@@ -30,7 +30,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import qmc
 
 from aimsym.bench.denoiser import load_bench_model
 from aimsym.denoise import modal, rqmc
@@ -67,23 +66,12 @@ def chamber(model, om, obs, V, tol: float, combinations: float, path: Path) -> d
     return res
 
 
-def _engines(seed: int, D: int, done: int):
-    engines = [qmc.Sobol(D + 1, scramble=True, seed=np.random.default_rng([seed, r])) for r in range(rqmc.REPS)]
-    for e in engines:
-        if done:
-            e.fast_forward(done)
-    return engines
-
-
 def seed_state(K, om, obs, V, params, seed: int, path: Path) -> dict:
     """A seed's proposal and sums (made on first use: the modes and two refits)."""
     if path.exists():
         return dict(np.load(path))
     nc, (cb, cm, cL, cla) = modal.modes(K, obs, om, V[None], params)
-    cm, cL, cla = cm.copy(), cL.copy(), cla.copy()
-    pilot = qmc.Sobol(int(K.INTEGRAL_DIM) + 1, scramble=True, seed=np.random.default_rng([seed, rqmc.REPS]))
-    for _ in range(rqmc.REFITS):
-        rqmc.refit(K, obs, om, V[None], params, nc, cb, cm, cL, cla, np.arange(1), pilot)
+    cm, cL, cla = rqmc.proposal(K, obs, om, V[None], params, nc, cb, cm, cL, cla, np.arange(1), seed)
     pt = om.shape[1] * om.shape[2]
     st = {"nc": nc, "cb": cb, "cm": cm, "cL": cL, "cla": cla, "count": np.int64(0),
           "sums": np.zeros((rqmc.REPS, 1 + pt + pt * (pt + 1) // 2)), "fshift": np.float64(np.nan),
@@ -96,7 +84,7 @@ def advance(K, om, obs, V, params, st: dict, seed: int, n: int, nu: float) -> di
     """The next n points of each scrambling added to the seed's sums."""
     D = int(K.INTEGRAL_DIM)
     t = time.process_time()
-    engines = _engines(seed, D, int(st["count"]))
+    engines = rqmc.scramblings(seed, D, int(st["count"]))
     sums = st["sums"].copy()
     fs = np.empty(1)
     for r, eng in enumerate(engines):
@@ -183,8 +171,7 @@ def main(argv=None):
             return 0
         for s, st in enumerate(states):
             if int(st["count"]) == done:
-                n = min(step, target - done) if done else min(step, target)
-                states[s] = advance(K, om, obs, V, params, st, s, n, a.nu)
+                states[s] = advance(K, om, obs, V, params, st, s, min(step, target - done), a.nu)
                 _save(a.state / f"qmc_{s}.npz", states[s])
 
 

@@ -64,11 +64,8 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
     extra[:, 2] = np.inf
     status = np.zeros(n, np.int64)
     seed = SEED if seed is None else seed
-    cm, cL, cla = cm.copy(), cL.copy(), cla.copy()
-    pilot = qmc.Sobol(D + 1, scramble=True, seed=np.random.default_rng([seed, REPS]))
-    for _ in range(REFITS):
-        refit(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, pilot)
-    engines = [qmc.Sobol(D + 1, scramble=True, seed=np.random.default_rng([seed, r])) for r in range(REPS)]
+    cm, cL, cla = proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, seed)
+    engines = scramblings(seed, D)
     sums = np.zeros((REPS, n, nq))
     fshift = np.empty(n)
     res = chamber.residual_covariance(K, V)
@@ -99,6 +96,27 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
         step = count  # (doubling: the next points of each sequence)
     extra[left, 3] = 1.0
     return g, dg, extra, status
+
+
+def proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, seed: int):
+    """Copies of the components (cm, cL, cla) of the samples ``active`` after ``REFITS`` steps of
+    population Monte Carlo on the pilot sequence of ``seed``: the proposal the replicates use."""
+    D = int(K.INTEGRAL_DIM)
+    cm, cL, cla = cm.copy(), cL.copy(), cla.copy()
+    pilot = qmc.Sobol(D + 1, scramble=True, seed=np.random.default_rng([seed, REPS]))
+    for _ in range(REFITS):
+        refit(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, pilot)
+    return cm, cL, cla
+
+
+def scramblings(seed: int, D: int, skip: int = 0) -> list:
+    """The ``REPS`` independently scrambled Sobol sequences of ``seed`` (dimension D + 1: the
+    Student-t radius takes one), each fast-forwarded past its first ``skip`` points."""
+    engines = [qmc.Sobol(D + 1, scramble=True, seed=np.random.default_rng([seed, r])) for r in range(REPS)]
+    if skip:
+        for e in engines:
+            e.fast_forward(skip)
+    return engines
 
 
 def refit(K, obs, omega, V, params, nc, cb, cm, cL, cla, idx, engine, n_points: int = REFIT_POINTS):
