@@ -1,7 +1,7 @@
 """A long randomised-QMC reference at one SE point, in resumable chunks, against the chamber rule.
 
     python -m aimsym.bench.reference --state DIR [--model attention_L4_T2] [--point 3] [--v 0.6]
-        [--tol 1e-6] [--combinations 1.3e10] [--log-n 27] [--seeds 8] [--nu 30] [--chunk 20]
+        [--tol 1e-6] [--combinations 1.3e10] [--log-n 28] [--seeds 8] [--nu 30] [--chunk 20]
 
 The chamber rule's claim at k = 6 (tol 1e-6 with a raised budget) needs an independent value with
 a standard error of a few 1e-7, which the k >= 6 stage (``aimsym.denoise.rqmc``) reaches only
@@ -132,7 +132,7 @@ def main(argv=None):
     ap.add_argument("--v", type=float, default=0.6, help="V = v I")
     ap.add_argument("--tol", type=float, default=1e-6, help="the chamber rule's tol")
     ap.add_argument("--combinations", type=float, default=1.3e10, help="the chamber rule's max_combinations")
-    ap.add_argument("--log-n", type=int, default=27, help="points per scrambling: 2^log_n")
+    ap.add_argument("--log-n", type=int, default=28, help="points per scrambling: 2^log_n")
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--nu", type=float, default=30.0, help="degrees of freedom of the Student-t proposal")
     ap.add_argument("--chunk", type=int, default=20, help="points per scrambling per saved step: 2^chunk")
