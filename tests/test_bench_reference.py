@@ -63,5 +63,13 @@ def test_comparison_with_the_chamber_rule_agrees_within_the_qmc_error(tmp_path):
     K = modal.load(m.kernels)
     om, _, V = reference.se_point(m, 1, 0.6)
     values = [reference.seed_values(K, om, V, dict(np.load(tmp_path / f"qmc_{s}.npz"))) for s in range(4)]
-    shifted = reference.compare({**ref, "lz": ref["lz"] + 50 * c["lz"]["stderr"]}, values)
-    assert shifted["lz"]["t_max"] > 20
+    # the 32 scramblings as replicates: the same picture, and on both sides of the chamber value
+    n = 4 * rqmc.REPS
+    assert c["lz"]["replicates"] == n and 0 < c["lz"]["stderr_replicates"] < 1e-3
+    for q in ("lz", "g", "dg"):
+        assert c[q]["difference"] <= 5 * c[q]["stderr_replicates"] + 1e-7, (q, c[q])
+        assert all(0 < b < n for b in c[q]["below"]), (q, c[q]["below"])
+    replicates = [v for s in range(4) for v in reference.scrambling_values(K, om, V, dict(np.load(tmp_path / f"qmc_{s}.npz")))]
+    shifted = reference.compare({**ref, "lz": ref["lz"] + 50 * c["lz"]["stderr"]}, values, replicates)
+    assert shifted["lz"]["t_max"] > 20 and shifted["lz"]["t_max_replicates"] > 20
+    assert shifted["lz"]["below"] == [n]
