@@ -108,3 +108,24 @@ def test_read_records_reuses_finished_runs(tmp_path):
     path.write_text('{"d": 60, "err": 1.0}\n{"d": 100, "err": 0.5}\n{"d": 60, "err": 0.9}\n')
     done = read_records(path, lambda r: r["d"])
     assert sorted(done) == [60, 100] and done[60]["err"] == 0.9
+
+
+def test_map_budget_stops_a_point_and_is_not_part_of_its_key(tmp_path):
+    """The SE of a point stops at its map budget (the record's iterations; the Newton polish after it
+    may still settle the fixed point, and converged says whether it did); a run with another budget
+    finds the point (the budget bounds the work, it is not a setting of the result), and the keys of
+    stores made before the budget existed are unchanged."""
+    store = tmp_path / "s.sqlite"
+    kw = dict(params={"Delta": [0.3]}, store=store, samples=256, workers=1, progress=False, tol=1e-12)
+    sweep.run_sweep(GC, [1.0], **{**kw, "store": tmp_path / "free.sqlite"})
+    (free,) = sweep.export(tmp_path / "free.sqlite")
+    assert free["iterations"] > 2
+    assert sweep.run_sweep(GC, [1.0], max_iter=2, **kw) == 1
+    (row,) = sweep.export(store)
+    assert row["iterations"] == 2
+    assert sweep.run_sweep(GC, [1.0], max_iter=50, **kw) == 0
+    assert sweep.run_sweep(GC, [1.0], **kw) == 0
+    opts = {"samples": 256, "replicas": 8, "seed": 0, "nodes": None, "tol": 1e-12}
+    assert sweep.point_key("h", 1.0, "uninformed", {**opts, "max_iter": 7}) == sweep.point_key("h", 1.0, "uninformed", opts)
+    with pytest.raises(sweep.AimsymError, match="max_iter"):
+        sweep.run_sweep(GC, [1.0], max_iter=0, **kw)

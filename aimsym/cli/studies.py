@@ -29,6 +29,9 @@ def _register_sweep(sub) -> None:
     p.add_argument("--nodes", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=1e-4)
+    p.add_argument("--max-iter", type=int, default=None, dest="max_iter",
+                   help="SE maps per point (default: the SE's 500); a point that reaches it is stored as "
+                        "not converged (a later run with a larger budget keeps it)")
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--scheduler", default=None, help="Dask distributed scheduler ADDRESS")
     p.add_argument("--json", action="store_true")
@@ -46,7 +49,7 @@ def cmd_sweep(args) -> int:
     t0 = time.perf_counter()
     n = run_sweep(args.model, parse_grid(args.alpha), params=params, inits=inits, store=args.store,
                   samples=args.samples, replicas=args.replicas, seed=args.seed, nodes=args.nodes, tol=args.tol,
-                  workers=args.workers, scheduler=args.scheduler, progress=not args.json)
+                  workers=args.workers, scheduler=args.scheduler, progress=not args.json, max_iter=args.max_iter)
     rows = export(args.store, args.csv, args.parquet)
     slow = sum(1 for r in rows if not r["converged"])
     summary = {"computed": n, "stored": len(rows), "not_converged": slow, "store": args.store, "csv": args.csv,
@@ -55,7 +58,7 @@ def cmd_sweep(args) -> int:
         import sys
 
         sys.stderr.write(f"aimsym: warning: {slow} of {len(rows)} stored points did not converge within the "
-                         "iteration limit (column 'converged' of --csv); raise --samples or loosen --tol\n")
+                         "iteration limit (column 'converged' of --csv); raise --samples or --max-iter, or loosen --tol\n")
     if args.json:
         print_json(summary)
     else:

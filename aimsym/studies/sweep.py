@@ -94,8 +94,14 @@ def _make_folder(path) -> None:
             raise _store_error(path, f"cannot create its folder ({exc.strerror})") from None
 
 
+# settings that bound the work on a point without changing a converged result: not in its key (a
+# point stored as not converged within its map budget is kept, and says so, when a later run raises it)
+UNKEYED = ("max_iter",)
+
+
 def point_key(model_hash, alpha, init, opts) -> str:
-    return json.dumps([model_hash, round(float(alpha), 12), init, opts], sort_keys=True)
+    keyed = {k: v for k, v in opts.items() if k not in UNKEYED}
+    return json.dumps([model_hash, round(float(alpha), 12), init, keyed], sort_keys=True)
 
 
 def _decode(record):
@@ -179,7 +185,8 @@ def run_point(text: str, name: str, params: dict, alpha: float, init: str, opts:
     start = init if prev is None or init == "informed" else np.maximum(np.asarray(prev), 1e-4 * np.eye(model.p))
     with warnings.catch_warnings():  # (the client counts the points that did not converge)
         warnings.simplefilter("ignore", ConvergenceWarning)
-        res = state_evolution(model, alpha, init=start, channel=ch, seed=opts["seed"], tol=opts["tol"],
+        budget = {} if opts.get("max_iter") is None else {"max_iter": opts["max_iter"]}
+        res = state_evolution(model, alpha, init=start, channel=ch, seed=opts["seed"], tol=opts["tol"], **budget,
                               checkpoint=None if passes is None else _point_passes(passes, key), progress=progress)
     rec = res.to_dict()
     rec["init"] = init
@@ -215,7 +222,7 @@ class _Chain:
         self.i += 1
 
 
-def check_settings(*, samples, replicas, seed, nodes, tol, workers=None) -> None:
+def check_settings(*, samples, replicas, seed, nodes, tol, workers=None, max_iter=None) -> None:
     """Sweep settings, checked before any work (the CLI checks the same flags up front)."""
     def whole(v, fld, low):
         if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < low:
@@ -228,6 +235,8 @@ def check_settings(*, samples, replicas, seed, nodes, tol, workers=None) -> None
         whole(nodes, "nodes", 1)
     if workers is not None:
         whole(workers, "workers", 1)
+    if max_iter is not None:
+        whole(max_iter, "max_iter", 1)
     if isinstance(tol, bool) or not isinstance(tol, int | float) or not (math.isfinite(tol) and tol > 0):
         raise AimsymError("tol", f"must be a finite number > 0, got {tol!r}")
     if samples // replicas < 2:
@@ -253,8 +262,11 @@ def model_source(model_path) -> tuple[str, str]:
 
 def run_sweep(model_path, alphas, *, params: dict | None = None, inits=("uninformed",), store="sweep.sqlite",
               samples=2048, replicas=8, seed=0, nodes=None, tol=1e-4, workers=None, scheduler=None,
-              progress=True) -> int:
-    """Run (or resume) the sweep; returns the number of points computed in this call."""
+              progress=True, max_iter: int | None = None) -> int:
+    """Run (or resume) the sweep; returns the number of points computed in this call. ``max_iter``:
+    the SE's map budget per point (None: ``state_evolution``'s default); a point that reaches it is
+    stored as not converged (its record says so; a Newton step to the fixed point, where one is
+    taken, is in its error bars)."""
     from ..model import load
     from ..derive.spec import loads
 
@@ -265,9 +277,11 @@ def run_sweep(model_path, alphas, *, params: dict | None = None, inits=("uninfor
     for i in inits:
         if i not in ("uninformed", "informed"):
             raise AimsymError("init", f"expected uninformed and/or informed, got {i!r}")
-    check_settings(samples=samples, replicas=replicas, seed=seed, nodes=nodes, tol=tol, workers=workers)
+    check_settings(samples=samples, replicas=replicas, seed=seed, nodes=nodes, tol=tol, workers=workers,
+                   max_iter=max_iter)
     opts = {"samples": int(samples), "replicas": int(replicas), "seed": int(seed),
-            "nodes": None if nodes is None else int(nodes), "tol": float(tol)}
+            "nodes": None if nodes is None else int(nodes), "tol": float(tol),
+            "max_iter": None if max_iter is None else int(max_iter)}
     text, name = model_source(model_path)
     spec = loads(text, default_name=name)
     combos = grid({k: [float(v) for v in vs] for k, vs in (params or {}).items()})
