@@ -330,6 +330,11 @@ def test_plot_draws_one_labelled_curve_per_parameter_set(tmp_path):
     # without thresholds the phases are unknown: none is named
     bare = plot.overlaps(rows, tmp_path / "g.png")
     assert bare == curves
+    # a point that stopped at its map budget is drawn open, and the legend says what that means
+    assert all(r["converged"] for r in rows) and plot.OPEN_LABEL not in labels
+    flagged = [{**r, "converged": False} if r["alpha"] == 1.5 else r for r in rows]
+    drawn = plot.overlaps(flagged, tmp_path / "h.png")
+    assert sorted(drawn) == sorted(curves + [plot.OPEN_LABEL])
 
 
 def test_plot_reads_a_thresholds_report_and_a_reproduce_state(tmp_path, capsys):

@@ -56,6 +56,9 @@ def _layer_label(k: int) -> str:
     return rf"$Q_{{{k + 1}{k + 1}}}$"
 
 
+OPEN_LABEL = "open marker: SE not converged"
+
+
 def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title: str = "",
              perfect: dict | None = None) -> list[str]:
     """Diagonal overlaps Q_kk (layer k + 1) vs alpha with error bars: one labelled curve per layer
@@ -74,6 +77,7 @@ def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title:
     for g, (h, grp) in enumerate(sorted(groups.items(), key=lambda kv: _group_label(kv[0], several_models))):
         grp = sorted(grp, key=lambda r: r["alpha"])
         a = np.array([r["alpha"] for r in grp])
+        stopped = np.array([not r.get("converged", True) for r in grp])
         tag = _group_label(h, several_models) if len(groups) > 1 or several_models else ""
         for k in range(p):
             q = np.array([r[f"Q_{k}{k}"] for r in grp])
@@ -81,6 +85,9 @@ def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title:
             colour = f"C{(g * p + k) % 10}" if len(groups) > 1 else f"C{k}"
             ax.errorbar(a, q, yerr=s, marker="o", ms=3, ls=styles[k % len(styles)], color=colour,
                         label=_layer_label(k) + (f" ({tag})" if tag else ""))
+            # a point whose SE stopped at its map budget is drawn open: its value is not a fixed point
+            if stopped.any():
+                ax.plot(a[stopped], q[stopped], "o", ms=6, mfc="white", mec=colour, ls="none", zorder=3)
     a_all = np.array([r["alpha"] for r in rows])
     ths = sorted(thresholds or [], key=lambda t: t["alpha"])
     # (without the thresholds the phases are unknown: nothing is shaded)
@@ -100,6 +107,8 @@ def overlaps(rows: list[dict], out, thresholds: list[dict] | None = None, title:
         ax.axvline(t["alpha"], color="k", ls="--", lw=0.8,
                    label=rf"threshold {i + 1}{which}: $\alpha$ = {t['alpha']:.3f} ± {err:.3f}")
         ax.axvspan(t["alpha"] - err, t["alpha"] + err, color="k", alpha=0.15)
+    if any(not r.get("converged", True) for r in rows):
+        ax.plot([], [], "o", ms=6, mfc="white", mec="k", ls="none", label=OPEN_LABEL)
     _perfect_lines(ax, perfect)
     ax.set_xlabel(r"sample complexity $\alpha = n / d$")
     ax.set_ylabel(r"overlap $Q_{kk}$ (layer $k$)")
