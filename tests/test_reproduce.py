@@ -37,7 +37,7 @@ FULL = Path(__file__).resolve().parent.parent / "docs" / "figures" / "reproduce"
 MIN_SHARED: dict[str, int] = {"aim-fig1-right": 33, "aim-fig5": 77, "smi-fig1-left": 7, "smi-fig1-right": 9,
                               "smi-fig2-left": 42, "smi-fig2-right": 80, "smi-figA5": 4, "aim-fig1-left": 9,
                               "aim-fig2-right": 906, "aim-fig4": 608, "erm-errors": 12, "erm-models": 4,
-                              "erm-spectra": 1600, "erm-rank": 6, "erm-beta-T": 10, "erm-seq": 2}
+                              "erm-spectra": 1600, "erm-rank": 6, "erm-beta-T": 10, "erm-seq": 2, "smi-fig3-left": 6}
 SLOW = {"smi-fig3-left", "smi-figA5", "aim-fig2-right", "erm-errors", "erm-models", "erm-spectra", "erm-rank", "erm-beta-T", "erm-seq"}
 
 
