@@ -501,6 +501,64 @@ def test_declared_six_dimensional_model_a_tighter_tol_never_returns_a_worse_esti
     assert np.all(tight.error <= loose.error * (1 + 1e-9)), (tight.error, loose.error)
 
 
+@pytest.mark.parametrize("dim", range(1, 21))
+def test_tensor_rules_of_the_mode_search_and_fast_path_stay_within_their_node_budgets(dim):
+    """Screening grid and fast-path rules grow as n^k: within the budgets at every k (a declared
+    model with k = 13 once asked for a 5^13-node rule and was killed for memory), the rules up to
+    k = 8 as FAST_SIZES lists them, and beyond the tensor grid the screen is standard-normal
+    Sobol points with the prior mean."""
+    from aimsym import modal
+
+    xs = modal.screen_nodes(dim)
+    assert xs.shape[1] == dim and 1 < xs.shape[0] <= modal.SCREEN_MAX + 1 and np.all(np.isfinite(xs))
+    rules = modal.fast_rules(dim)
+    assert all(len(w) <= modal.FAST_MAX_NODES for _, w in rules)
+    assert len(rules) != 1  # (the estimate compares successive rules)
+    for nodes, w in rules:  # each a rule for the standard normal: mass 1, mean 0, covariance I
+        assert abs(w.sum() - 1) < 1e-12 and np.abs(w @ nodes).max() < 1e-12
+        assert np.abs((nodes * w[:, None]).T @ nodes - np.eye(dim)).max() < 1e-11
+    if dim <= 8:
+        assert [round(len(w) ** (1 / dim)) for _, w in rules] == list(modal.FAST_SIZES.get(dim, (3, 5)))
+    if modal.SCREEN.get(dim, 3) ** dim > modal.SCREEN_MAX:
+        assert np.all(xs[0] == 0)
+        assert np.abs(xs[1:].mean(axis=0)).max() < 0.02 and np.abs(np.cov(xs[1:].T) - np.eye(dim)).max() < 0.05
+
+
+@pytest.mark.slow
+def test_declared_thirteen_dimensional_untied_model_runs_in_bounded_memory(tmp_path):
+    """Three untied layers at T = 3 (declared here, k = 13): the denoiser returns finite results,
+    each with a finite estimate, and the warning names the samples above tol; its process stays
+    below 3 GB (before the node budgets it was killed by the kernel's OOM killer)."""
+    import subprocess
+    import sys
+
+    text = (D / "attention_L2_T2_untied.toml").read_text().replace("tokens = 2", "tokens = 3").replace(
+        "layers = 2", "layers = 3")
+    path = tmp_path / "untied_L3_T3.toml"
+    path.write_text(text)
+    code = f"""
+import resource, warnings, numpy as np, aimsym
+m = aimsym.load({str(path)!r}, c=1.0)
+assert int(m.kernels.INTEGRAL_DIM) == 13, m.kernels.INTEGRAL_DIM
+rng = np.random.default_rng(0)
+p, T = m.p, m.tokens
+V = 0.5 * np.eye(p)
+om = np.sqrt(0.5) * rng.standard_normal((2, p, T))
+Z = om + np.sqrt(0.5) * rng.standard_normal((2, p, T))
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    out = m.denoiser(tol=1e-2)(m.link(Z), om, V)
+assert np.all(np.isfinite(out.g_out)) and np.all(np.isfinite(out.dg_out)) and np.all(np.isfinite(out.log_z_out))
+assert np.all(np.isfinite(out.error)) and np.all(out.error > 0), out.error
+missed = int((out.error > 1e-2).sum())
+assert (not missed) or any(f"{{missed}} of 2 samples" in str(x.message) for x in w), [str(x.message) for x in w]
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3000)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert int(run.stdout.split()[-1]) < 3 * 1024**2  # kB
+
+
 def test_cross_check_raises_an_estimate_that_another_stage_refutes():
     """Two stages' results that differ beyond both estimates cannot both hold: the kept one's
     estimate becomes at least difference + the other's estimate (relative to its own size) where

@@ -35,6 +35,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from scipy.stats import norm, qmc
 
 from . import chamber, rqmc
 from .output import difference, mean_target_met
@@ -47,6 +48,11 @@ MARKER = "# ---- template begins ----"
 # by SCREEN_SPREAD (so the grid reaches about 3 prior sd)
 SCREEN = {1: 15, 2: 9, 3: 5, 4: 4, 5: 3, 6: 3}
 SCREEN_SPREAD = 1.0
+# node budgets of the tensor rules, whose size grows as n^D (3^13 screening nodes and a 5^13-node
+# fast rule, 127 GB, for three untied layers at T = 3): a larger screen takes SCREEN_MAX
+# scrambled Sobol points (and the prior mean), and the fast path runs only the rules that fit
+SCREEN_MAX = 3**9
+FAST_MAX_NODES = 400_000
 # Newton starts per branch: with one layer nearly known the posterior splits into narrow modes of
 # similar height, and the three best grid points all led to the largest one (docs/denoiser.md,
 # "Narrow modes": two layers at T = 3, V = diag(0.5, 1e-3)); against a 17^3-grid, 128-start
@@ -115,12 +121,30 @@ def tensor(D: int, n: int):
 
 
 def fast_rules(D: int):
-    """The fast path's rules on the standard normal in D dimensions: [(nodes, weights)]."""
+    """The fast path's rules on the standard normal in D dimensions: [(nodes, weights)], those
+    within FAST_MAX_NODES; none where fewer than two fit (the estimate compares successive rules)."""
+    sizes = [m for m in FAST_SIZES.get(D, (3, 5)) if m**D <= FAST_MAX_NODES]
+    if len(sizes) < 2:
+        return []
     out = []
-    for m in FAST_SIZES.get(D, (3, 5)):
+    for m in sizes:
         nodes, lw, _ = tensor(D, m)
         out.append((nodes, np.exp(lw)))
     return out
+
+
+@lru_cache(maxsize=16)
+def screen_nodes(D: int) -> np.ndarray:
+    """The mode search's screening points in prior-whitened coordinates: the tensor grid of
+    SCREEN points per axis where it has at most SCREEN_MAX nodes, otherwise the prior mean and
+    scrambled Sobol points mapped to the standard normal (fixed seed: a result is reproducible)."""
+    n = SCREEN.get(D, 3)
+    if n**D <= SCREEN_MAX:
+        return np.ascontiguousarray(tensor(D, n)[0] * SCREEN_SPREAD)
+    # (the largest power of two within the budget keeps the Sobol points balanced)
+    u = qmc.Sobol(D, scramble=True, seed=np.random.default_rng([D, 0])).random_base2(SCREEN_MAX.bit_length() - 1)
+    x = norm.ppf(np.clip(u, 1e-12, 1 - 1e-12))
+    return np.ascontiguousarray(np.vstack([np.zeros((1, D)), x]) * SCREEN_SPREAD)
 
 
 def flips(kernels) -> np.ndarray:
@@ -309,7 +333,7 @@ def modes(K, obs, omega, V, params):
     count nc (negative: a failure status of the search)."""
     D = int(K.INTEGRAL_DIM)
     n = obs.shape[0]
-    xs = np.ascontiguousarray(tensor(D, SCREEN.get(D, 3))[0] * SCREEN_SPREAD)
+    xs = screen_nodes(D)
     fl = flips(K)
     if fl.shape[0] == 0:
         fl = np.zeros((0, D))
