@@ -559,6 +559,33 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     assert int(run.stdout.split()[-1]) < 3 * 1024**2  # kB
 
 
+def test_randomised_qmc_stage_survives_sums_that_overflow():
+    """The stage is invariant to a common shift of a sample's component log masses (the terms
+    a_j f phi_j / q do not change, only the scale of the sums). Lowered by 800 every term
+    overflows exp; the stage raises the masses and sums again, and gives the unshifted result
+    (before, the sample came back NOT_FINITE and the denoiser raised for the whole batch: seen at
+    an ordinary SE point of three untied layers at T = 3 with skip 0.7, where the reduced density
+    is unbounded near a singular mixing)."""
+    from aimsym.denoise import modal, rqmc
+
+    m = load("attention_L2_T3")
+    rng = np.random.default_rng(4)
+    om, Z, V = se_point(m, rng)
+    om, obs = om[None], m.observation(Z)[None]
+    den = m.denoiser(rule="modal", tol=1e-3)
+    K = modal.load(den.kernels)
+    nc, (cb, cm, cL, cla) = modal.modes(K, obs, om, V[None], den.params)
+    low = cla.copy()
+    low[0, : nc[0]] -= 800.0
+    a = rqmc.run(K, obs, om, V[None], den.params, nc, cb, cm, cL, cla.copy(), np.arange(1), 1e-3, max_points=8192)
+    b = rqmc.run(K, obs, om, V[None], den.params, nc, cb, cm, cL, low, np.arange(1), 1e-3, max_points=8192)
+    assert a[3][0] == 0 and b[3][0] == 0, (a[3], b[3])
+    assert np.isfinite(b[2][0, 2]) and abs(b[2][0, 2] - a[2][0, 2]) <= 1e-9 * a[2][0, 2]
+    assert abs(b[2][0, 0] - a[2][0, 0]) < 1e-10
+    np.testing.assert_allclose(b[0], a[0], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(b[1], a[1], rtol=1e-9, atol=1e-12)
+
+
 def test_cross_check_raises_an_estimate_that_another_stage_refutes():
     """Two stages' results that differ beyond both estimates cannot both hold: the kept one's
     estimate becomes at least difference + the other's estimate (relative to its own size) where

@@ -33,6 +33,10 @@ MAX_POINTS = 2**17
 # must change it, or the two runs share their first points)
 SEED = 0
 MIN_DIM = 6
+# a sample whose sums overflow has its components' log masses raised by SHIFT (up to SHIFT_TRIES
+# times): exp overflows above 709, and the rescaled earlier sums may underflow to 0 (negligible then)
+SHIFT = 700.0
+SHIFT_TRIES = 6
 # population Monte Carlo steps before the replicates, each with REFIT_POINTS points
 REFITS = 2
 REFIT_POINTS = 4096
@@ -77,6 +81,10 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
             x, w = t_points(eng, D, step)
             tot, fs = np.zeros((left.size, nq)), np.empty(left.size)
             K.modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs)
+            scaled = _rescale_overflow(K, obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs)
+            if scaled is not None:  # (the sums so far in the raised scale of those samples)
+                rows, factor = scaled
+                sums[:, left[rows]] *= factor[None, :, None]
             sums[r, left] += tot
             fshift[left] = fs
         count += step
@@ -96,6 +104,37 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
         step = count  # (doubling: the next points of each sequence)
     extra[left, 3] = 1.0
     return g, dg, extra, status
+
+
+def _rescale_overflow(K, obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs, shift: float = SHIFT,
+                      tries: int = SHIFT_TRIES):
+    """Where a sample's moment sums overflowed (a point whose term exceeds e^709 times the largest
+    Laplace mass: a mode the search missed, or the unbounded but integrable density where an untied
+    layer's mixing turns singular), raise all its components' log masses by ``shift`` (the terms
+    a_j f phi_j / q are unchanged, fshift rises) and sum its points again, up to ``tries`` times.
+    Updates cla, tot and fs in place; returns (rows of idx rescaled, factor for their earlier sums)
+    or None. The result is finite and its replicates' spread says how far it is from converged."""
+    bad = np.flatnonzero(~np.isfinite(tot).all(axis=1))
+    if bad.size == 0:
+        return None
+    raised = np.zeros(bad.size)
+    for _ in range(tries):
+        rows = bad[~np.isfinite(tot[bad]).all(axis=1)]
+        if rows.size == 0:
+            break
+        for r in rows:
+            cla[idx[r], : nc[idx[r]]] += shift
+        raised[np.searchsorted(bad, rows)] += shift
+        t2, f2 = np.zeros((rows.size, tot.shape[1])), np.empty(rows.size)
+        K.modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx[rows], t2, f2)
+        tot[rows], fs[rows] = t2, f2
+    # still not finite (not a matter of scale): the former masses, and the status will say so
+    still = ~np.isfinite(tot[bad]).all(axis=1)
+    for r, up in zip(bad[still], raised[still]):
+        cla[idx[r], : nc[idx[r]]] -= up
+        fs[r] -= up
+    raised[still] = 0.0
+    return bad, np.exp(-raised)
 
 
 def proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, seed: int):
@@ -131,6 +170,15 @@ def refit(K, obs, omega, V, params, nc, cb, cm, cL, cla, idx, engine, n_points: 
     m, mc = idx.size, cm.shape[1]
     S0, S1, S2 = np.zeros((m, mc)), np.zeros((m, mc, D)), np.zeros((m, mc, D, D))
     K.modal_refit(obs, omega, V, params, nc, cb, cm, cL, cla, x, w / n_points, idx, S0, S1, S2)
+    for _ in range(SHIFT_TRIES):  # (overflowed terms: the same rescaling as in ``run``)
+        rows = np.flatnonzero([not np.all(np.isfinite(S2[r, : nc[i]])) for r, i in enumerate(idx)])
+        if rows.size == 0:
+            break
+        for r in rows:
+            cla[idx[r], : nc[idx[r]]] += SHIFT
+        sub = (np.zeros((rows.size, mc)), np.zeros((rows.size, mc, D)), np.zeros((rows.size, mc, D, D)))
+        K.modal_refit(obs, omega, V, params, nc, cb, cm, cL, cla, x, w / n_points, idx[rows], *sub)
+        S0[rows], S1[rows], S2[rows] = sub
     for r, i in enumerate(idx):
         fshift = cla[i, :nc[i]].max()
         for j in range(nc[i]):
