@@ -109,9 +109,10 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
 def _rescale_overflow(K, obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs, shift: float = SHIFT,
                       tries: int = SHIFT_TRIES):
     """Where a sample's moment sums overflowed (a point whose term exceeds e^709 times the largest
-    Laplace mass: a mode the search missed, or the unbounded but integrable density where an untied
-    layer's mixing turns singular), raise all its components' log masses by ``shift`` (the terms
-    a_j f phi_j / q are unchanged, fshift rises) and sum its points again, up to ``tries`` times.
+    Laplace mass: a mode or peak of the density the search did not see; met at k = 13 with an
+    untied first layer whose mixing c I + S can be singular), raise all its components' log
+    masses by ``shift`` (the terms a_j f phi_j / q are unchanged, fshift rises) and sum its points
+    again, up to ``tries`` times.
     Updates cla, tot and fs in place; returns (rows of idx rescaled, factor for their earlier sums)
     or None. The result is finite and its replicates' spread says how far it is from converged."""
     bad = np.flatnonzero(~np.isfinite(tot).all(axis=1))
