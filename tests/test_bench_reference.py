@@ -73,3 +73,12 @@ def test_comparison_with_the_chamber_rule_agrees_within_the_qmc_error(tmp_path):
     shifted = reference.compare({**ref, "lz": ref["lz"] + 50 * c["lz"]["stderr"]}, values, replicates)
     assert shifted["lz"]["t_max"] > 20 and shifted["lz"]["t_max_replicates"] > 20
     assert shifted["lz"]["below"] == [n]
+    # the worst entries in both views: the shifted log Z first, and each listed entry's numbers
+    # are the ones of the whole quantity where it is the largest
+    w = shifted["lz"]["worst"][0]
+    assert w["entry"] == 0 and w["below"] == n and w["t_replicates"] == shifted["lz"]["t_max_replicates"]
+    for q in ("g", "dg"):
+        top = c[q]["worst"][0]
+        assert top["t_replicates"] == c[q]["t_max_replicates"] and abs(top["difference"]) <= c[q]["difference"]
+        assert [e["t_replicates"] for e in c[q]["worst"]] == sorted((e["t_replicates"] for e in c[q]["worst"]),
+                                                                    reverse=True)

@@ -115,6 +115,10 @@ def scrambling_values(K, om, V, st: dict) -> list:
     return [_values(K, om, V, row, int(st["count"]), float(st["fshift"])) for row in st["sums"]]
 
 
+# entries listed per quantity in the comparison (a symmetric dg_out pair counts twice)
+WORST = 4
+
+
 def _t(d: np.ndarray, se: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(se > 0, np.abs(d) / se, 0.0)
@@ -139,9 +143,14 @@ def compare(ref: dict, values: list, replicates: list | None = None) -> dict:
         if replicates:
             r = np.array([v[k] for v in replicates]).reshape(len(replicates), -1)
             se_r = r.std(axis=0, ddof=1) / np.sqrt(len(replicates))
+            t_r = _t(ours - r.mean(axis=0), se_r)
+            below = (r < ours).sum(axis=0)
             out[name].update({"replicates": len(replicates), "stderr_replicates": float(se_r.max() / scale),
-                              "t_max_replicates": float(_t(ours - r.mean(axis=0), se_r).max()),
-                              "below": (r < ours).sum(axis=0).tolist()})
+                              "t_max_replicates": float(t_r.max()), "below": below.tolist(),
+                              # the entries furthest out in the replicates' view, each with both views
+                              "worst": [{"entry": int(i), "difference": float(d[i] / scale), "t": float(_t(d, se)[i]),
+                                         "t_replicates": float(t_r[i]), "below": int(below[i])}
+                                        for i in np.argsort(-t_r, kind="stable")[:WORST]]})
     return out
 
 
@@ -190,6 +199,9 @@ def main(argv=None):
                 z = c["lz"]
                 line += f"; log Z over the {z['replicates']} scramblings: se {z['stderr_replicates']:.2e}, " \
                         f"|t| {z['t_max_replicates']:.2f}, {z['below'][0]} below the chamber value"
+                w = c["dg"]["worst"][0]
+                line += f"; dg_out entry {w['entry']} (furthest over the scramblings): {w['difference']:.2e}, " \
+                        f"|t| {w['t']:.2f} (seeds) {w['t_replicates']:.2f} (scramblings), {w['below']} below"
                 (a.state / "comparison.json").write_text(json.dumps({"points": done, "cpu": cpu, **c}, indent=1))
             print(line, flush=True)
         if done >= target:
