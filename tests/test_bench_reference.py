@@ -82,3 +82,33 @@ def test_comparison_with_the_chamber_rule_agrees_within_the_qmc_error(tmp_path):
         assert top["t_replicates"] == c[q]["t_max_replicates"] and abs(top["difference"]) <= c[q]["difference"]
         assert [e["t_replicates"] for e in c[q]["worst"]] == sorted((e["t_replicates"] for e in c[q]["worst"]),
                                                                     reverse=True)
+
+
+def test_a_variant_of_the_chamber_rule_moves_its_answer_by_less_than_its_tol(tmp_path, capsys):
+    """An error every level shares (a node-placement setting) cannot show in the level differences;
+    a variant changes the setting. At k = 3 and tol 1e-9 the switching width and the radial domain
+    move the answer by far less than tol, the variant is kept on disk and the setting restored; a
+    wrong name or value is one line and exit."""
+    from aimsym.denoise import chamber
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _run(tmp_path, "--log-n", "10", "--chunk", "10", "--seeds", "2", "--tol", "1e-9", "--combinations", "2e7",
+             "--variant", "kappa=3", "--variant", "RADIUS=11")
+    out = capsys.readouterr().out
+    assert "chamber rule with KAPPA = 3: lz moves" in out and "chamber rule with RADIUS = 11:" in out
+    assert chamber.KAPPA == 2.0 and chamber.RADIUS == 8.5
+    ref = dict(np.load(tmp_path / "chamber.npz"))
+    for f in ("chamber_KAPPA_3.npz", "chamber_RADIUS_11.npz"):
+        alt = dict(np.load(tmp_path / f))
+        assert max(reference.moved(ref, alt).values()) < 1e-9, (f, reference.moved(ref, alt))
+    # and a shifted answer shows as moved by the shift
+    assert abs(reference.moved(ref, {**ref, "lz": ref["lz"] + 1e-6})["lz"] - 1e-6) < 1e-15
+    for bad in ("KAPPA", "NODES=3", "KAPPA=-1", "KAPPA=x"):
+        try:
+            _run(tmp_path / "bad", "--no-chamber", "--log-n", "10", "--variant", bad)
+        except SystemExit as e:
+            assert str(e).startswith(f"error: --variant {bad!r}"), e
+        else:
+            raise AssertionError(bad)
+    assert not (tmp_path / "bad").exists()  # (nothing made before the arguments are checked)

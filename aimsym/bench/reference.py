@@ -2,12 +2,15 @@
 
     python -m aimsym.bench.reference --state DIR [--model attention_L4_T2] [--point 3] [--v 0.6]
         [--tol 1e-6] [--combinations 1.3e10] [--log-n 28] [--seeds 8] [--nu 30] [--chunk 20]
+        [--variant KAPPA=3] [--variant RADIUS=11] ...
 
 The chamber rule's claim at k = 6 (tol 1e-6 with a raised budget) needs an independent value with
 a standard error of a few 1e-7, which the k >= 6 stage (``aimsym.denoise.rqmc``) reaches only
 after hours of CPU. This command computes both and keeps its work on disk:
 
-- the chamber rule's answer at the point (``chamber.npz``: values, estimate, CPU time);
+- the chamber rule's answer at the point (``chamber.npz``: values, estimate, CPU time), and with
+  ``--variant`` its answer with one node-placement setting changed (``chamber_NAME_VALUE.npz``),
+  which shows an error all its levels share;
 - per seed, the proposal (the modal components after the population-Monte-Carlo refits) and, per
   scrambling, the moment sums of the points done so far (``qmc_<seed>.npz``), written after every
   chunk of 2^chunk points per scrambling. A stopped run resumes where it stopped: the Sobol
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 import warnings
@@ -64,6 +68,45 @@ def chamber(model, om, obs, V, tol: float, combinations: float, path: Path) -> d
            "error": np.float64(out.error[0]), "cpu": np.float64(time.process_time() - t)}
     _save(path, res)
     return res
+
+
+# the chamber rule's node-placement settings a variant may change (aimsym.denoise.chamber)
+VARIANTS = ("KAPPA", "RADIUS", "CRAD")
+
+
+def parse_variant(text: str) -> tuple[str, float]:
+    """'KAPPA=3' -> ('KAPPA', 3.0), with the name checked."""
+    name, _, value = text.partition("=")
+    name = name.strip().upper()
+    if name not in VARIANTS or not value:
+        raise SystemExit(f"error: --variant {text!r}: expected NAME=VALUE with NAME one of {', '.join(VARIANTS)}")
+    try:
+        v = float(value)
+    except ValueError:
+        raise SystemExit(f"error: --variant {text!r}: {value!r} is not a number") from None
+    if not (math.isfinite(v) and v > 0):
+        raise SystemExit(f"error: --variant {text!r}: the value must be a positive number")
+    return name, v
+
+
+def variant(m, om, obs, V, tol: float, combinations: float, state: Path, name: str, value: float) -> dict:
+    """The chamber rule's answer with one node-placement setting changed (kept on disk): an error
+    that the level differences cannot see, because every level shares the setting, moves with it."""
+    from aimsym.denoise import chamber as rule
+
+    old = getattr(rule, name)
+    setattr(rule, name, value)
+    try:
+        return chamber(m, om, obs, V, tol, combinations, state / f"chamber_{name}_{value:g}.npz")
+    finally:
+        setattr(rule, name, old)
+
+
+def moved(ref: dict, alt: dict) -> dict:
+    """How far a variant's answer is from ref (g_out, dg_out relative to ref's size, at least 1)."""
+    return {"lz": abs(float(alt["lz"]) - float(ref["lz"])),
+            "g": float(np.abs(alt["g"] - ref["g"]).max() / max(1.0, np.abs(ref["g"]).max())),
+            "dg": float(np.abs(alt["dg"] - ref["dg"]).max() / max(1.0, np.abs(ref["dg"]).max()))}
 
 
 def seed_state(K, om, obs, V, params, seed: int, path: Path) -> dict:
@@ -167,7 +210,12 @@ def main(argv=None):
     ap.add_argument("--nu", type=float, default=30.0, help="degrees of freedom of the Student-t proposal")
     ap.add_argument("--chunk", type=int, default=20, help="points per scrambling per saved step: 2^chunk")
     ap.add_argument("--no-chamber", action="store_true", help="only the QMC (no comparison)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
+                    help="also run the chamber rule with one of its node-placement settings changed "
+                         f"({', '.join(VARIANTS)}; repeatable, each kept as chamber_NAME_VALUE.npz) and "
+                         "print how far it moves from the default's answer")
     a = ap.parse_args(argv)
+    variants = [parse_variant(v) for v in a.variant]  # (checked before any work)
     a.state.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(a, k) for k in ("model", "point", "v", "tol", "combinations", "seeds", "nu")}
     sfile = a.state / "settings.json"
@@ -179,6 +227,12 @@ def main(argv=None):
     params = m.params_array()
     om, obs, V = se_point(m, a.point, a.v)
     ref = None if a.no_chamber else chamber(m, om, obs, V, a.tol, a.combinations, a.state / "chamber.npz")
+    for name, value in variants:
+        alt = variant(m, om, obs, V, a.tol, a.combinations, a.state, name, value)
+        if ref is not None:
+            print(f"chamber rule with {name} = {value:g}: " + ", ".join(
+                f"{k} moves {d:.1e}" for k, d in moved(ref, alt).items()) + f" (estimate {float(alt['error']):.2e})",
+                flush=True)
     if ref is not None:
         print(f"chamber rule: log Z {float(ref['lz']):.10f}, estimate {float(ref['error']):.2e}, "
               f"CPU {float(ref['cpu']):.0f} s", flush=True)
