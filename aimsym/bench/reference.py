@@ -227,15 +227,15 @@ def main(argv=None):
     params = m.params_array()
     om, obs, V = se_point(m, a.point, a.v)
     ref = None if a.no_chamber else chamber(m, om, obs, V, a.tol, a.combinations, a.state / "chamber.npz")
+    if ref is not None:
+        print(f"chamber rule: log Z {float(ref['lz']):.10f}, estimate {float(ref['error']):.2e}, "
+              f"CPU {float(ref['cpu']):.0f} s", flush=True)
     for name, value in variants:
         alt = variant(m, om, obs, V, a.tol, a.combinations, a.state, name, value)
         if ref is not None:
             print(f"chamber rule with {name} = {value:g}: " + ", ".join(
                 f"{k} moves {d:.1e}" for k, d in moved(ref, alt).items()) + f" (estimate {float(alt['error']):.2e})",
                 flush=True)
-    if ref is not None:
-        print(f"chamber rule: log Z {float(ref['lz']):.10f}, estimate {float(ref['error']):.2e}, "
-              f"CPU {float(ref['cpu']):.0f} s", flush=True)
     states = [seed_state(K, om, obs, V, params, s, a.state / f"qmc_{s}.npz") for s in range(a.seeds)]
     target, step = 2 ** a.log_n, 2 ** a.chunk
     while True:
