@@ -81,10 +81,9 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
             x, w = t_points(eng, D, step)
             tot, fs = np.zeros((left.size, nq)), np.empty(left.size)
             K.modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs)
-            scaled = _rescale_overflow(K, obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs)
-            if scaled is not None:  # (the sums so far in the raised scale of those samples)
-                rows, factor = scaled
-                sums[:, left[rows]] *= factor[None, :, None]
+            if not np.isfinite(tot).all():
+                rows, up = _rescale_overflow(K, obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs)
+                sums[:, left[rows]] *= np.exp(-up)[None, :, None]  # (the sums so far, in the raised scale)
             sums[r, left] += tot
             fshift[left] = fs
         count += step
@@ -106,36 +105,44 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
     return g, dg, extra, status
 
 
-def _rescale_overflow(K, obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs, shift: float = SHIFT,
-                      tries: int = SHIFT_TRIES):
-    """Where a sample's moment sums overflowed (a point whose term exceeds e^709 times the largest
-    Laplace mass: a mode or peak of the density the search did not see; met at k = 13 with an
-    untied first layer whose mixing c I + S can be singular), raise all its components' log
-    masses by ``shift`` (the terms a_j f phi_j / q are unchanged, fshift rises) and sum its points
-    again, up to ``tries`` times.
-    Updates cla, tot and fs in place; returns (rows of idx rescaled, factor for their earlier sums)
-    or None. The result is finite and its replicates' spread says how far it is from converged."""
-    bad = np.flatnonzero(~np.isfinite(tot).all(axis=1))
-    if bad.size == 0:
-        return None
-    raised = np.zeros(bad.size)
+def _raise_masses(cla, nc, idx, nonfinite, resum, shift: float = SHIFT, tries: int = SHIFT_TRIES):
+    """Where a sample's sums overflowed (a point whose term exceeds e^709 times the largest Laplace
+    mass: a mode or peak of the density the search did not see; met at k = 13 with an untied first
+    layer whose mixing c I + S can be singular), raise all its components' log masses by ``shift``
+    (the terms a_j f phi_j / q are unchanged, only the scale exp(-fshift) of the sums) and sum its
+    points again, up to ``tries`` times. nonfinite() gives the rows of idx whose sums are not
+    finite, resum(rows) sums those rows again. A sample still not finite (not a matter of scale)
+    gets its masses back, and the caller's status says so. Returns (rows that were not finite,
+    how far each stays raised)."""
+    bad = nonfinite()
+    up = np.zeros(bad.size)
     for _ in range(tries):
-        rows = bad[~np.isfinite(tot[bad]).all(axis=1)]
+        rows = np.intersect1d(bad, nonfinite())
         if rows.size == 0:
             break
         for r in rows:
             cla[idx[r], : nc[idx[r]]] += shift
-        raised[np.searchsorted(bad, rows)] += shift
+        up[np.searchsorted(bad, rows)] += shift
+        resum(rows)
+    still = np.isin(bad, nonfinite())
+    for r, u in zip(bad[still], up[still]):
+        cla[idx[r], : nc[idx[r]]] -= u
+    up[still] = 0.0
+    return bad, up
+
+
+def _rescale_overflow(K, obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs):
+    """``_raise_masses`` for the moment sums tot (and fshift fs) of one chunk of ``run``."""
+    fs0 = fs.copy()
+
+    def resum(rows):
         t2, f2 = np.zeros((rows.size, tot.shape[1])), np.empty(rows.size)
         K.modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx[rows], t2, f2)
         tot[rows], fs[rows] = t2, f2
-    # still not finite (not a matter of scale): the former masses, and the status will say so
-    still = ~np.isfinite(tot[bad]).all(axis=1)
-    for r, up in zip(bad[still], raised[still]):
-        cla[idx[r], : nc[idx[r]]] -= up
-        fs[r] -= up
-    raised[still] = 0.0
-    return bad, np.exp(-raised)
+
+    bad, up = _raise_masses(cla, nc, idx, lambda: np.flatnonzero(~np.isfinite(tot).all(axis=1)), resum)
+    fs[bad[up == 0]] = fs0[bad[up == 0]]
+    return bad, up
 
 
 def proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, seed: int):
@@ -171,15 +178,13 @@ def refit(K, obs, omega, V, params, nc, cb, cm, cL, cla, idx, engine, n_points: 
     m, mc = idx.size, cm.shape[1]
     S0, S1, S2 = np.zeros((m, mc)), np.zeros((m, mc, D)), np.zeros((m, mc, D, D))
     K.modal_refit(obs, omega, V, params, nc, cb, cm, cL, cla, x, w / n_points, idx, S0, S1, S2)
-    for _ in range(SHIFT_TRIES):  # (overflowed terms: the same rescaling as in ``run``)
-        rows = np.flatnonzero([not np.all(np.isfinite(S2[r, : nc[i]])) for r, i in enumerate(idx)])
-        if rows.size == 0:
-            break
-        for r in rows:
-            cla[idx[r], : nc[idx[r]]] += SHIFT
+
+    def resum(rows):
         sub = (np.zeros((rows.size, mc)), np.zeros((rows.size, mc, D)), np.zeros((rows.size, mc, D, D)))
         K.modal_refit(obs, omega, V, params, nc, cb, cm, cL, cla, x, w / n_points, idx[rows], *sub)
         S0[rows], S1[rows], S2[rows] = sub
+
+    _raise_masses(cla, nc, idx, lambda: np.flatnonzero(~np.isfinite(S2).all(axis=(1, 2, 3))), resum)
     for r, i in enumerate(idx):
         fshift = cla[i, :nc[i]].max()
         for j in range(nc[i]):
