@@ -112,8 +112,8 @@ def _raise_masses(cla, nc, idx, nonfinite, resum, shift: float = SHIFT, tries: i
     (the terms a_j f phi_j / q are unchanged, only the scale exp(-fshift) of the sums) and sum its
     points again, up to ``tries`` times. nonfinite() gives the rows of idx whose sums are not
     finite, resum(rows) sums those rows again. A sample still not finite (not a matter of scale)
-    gets its masses back, and the caller's status says so. Returns (rows that were not finite,
-    how far each stays raised)."""
+    gets its masses back and its sums in their former scale (summed once more), and the caller's
+    status says so. Returns (rows that were not finite, how far each stays raised)."""
     bad = nonfinite()
     up = np.zeros(bad.size)
     for _ in range(tries):
@@ -125,24 +125,23 @@ def _raise_masses(cla, nc, idx, nonfinite, resum, shift: float = SHIFT, tries: i
         up[np.searchsorted(bad, rows)] += shift
         resum(rows)
     still = np.isin(bad, nonfinite())
-    for r, u in zip(bad[still], up[still]):
-        cla[idx[r], : nc[idx[r]]] -= u
-    up[still] = 0.0
+    if still.any():
+        for r, u in zip(bad[still], up[still]):
+            cla[idx[r], : nc[idx[r]]] -= u
+        up[still] = 0.0
+        resum(bad[still])
     return bad, up
 
 
 def _rescale_overflow(K, obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs):
     """``_raise_masses`` for the moment sums tot (and fshift fs) of one chunk of ``run``."""
-    fs0 = fs.copy()
 
     def resum(rows):
         t2, f2 = np.zeros((rows.size, tot.shape[1])), np.empty(rows.size)
         K.modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx[rows], t2, f2)
         tot[rows], fs[rows] = t2, f2
 
-    bad, up = _raise_masses(cla, nc, idx, lambda: np.flatnonzero(~np.isfinite(tot).all(axis=1)), resum)
-    fs[bad[up == 0]] = fs0[bad[up == 0]]
-    return bad, up
+    return _raise_masses(cla, nc, idx, lambda: np.flatnonzero(~np.isfinite(tot).all(axis=1)), resum)
 
 
 def proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, seed: int):
