@@ -115,9 +115,26 @@ class Model:
         stem = Path(self.kernels.__file__).stem
         if any(folder.glob(f"{stem}.*.nbi")):  # compiled before (at least in part)
             return False
+        if kernel == "denoise_batch" and self._modal_compiled():
+            return False
         sys.stderr.write(f"aimsym: compiling kernels for {self.name}, once (cached for later runs)\n")
         sys.stderr.flush()
         return True
+
+    def _modal_compiled(self) -> bool:
+        """Whether numba's cache holds the model's assembled mode-centred module (at k >= 6 the
+        denoiser runs only that one, never the driver's ``denoise_batch``)."""
+        from .denoise import modal
+        from .derive.files import import_module
+
+        path = modal.module_path(self.kernels)
+        if not path.exists():
+            return False
+        try:
+            folder = Path(import_module(path).modal_rule._cache._cache_path)
+        except (AttributeError, ImportError, OSError):
+            return False
+        return any(folder.glob(f"{path.stem}.*.nbi"))
 
     def params_array(self) -> np.ndarray:
         names = self.spec.parameters()

@@ -492,3 +492,20 @@ def test_samples_stopped_by_mean_tol_keep_honest_estimates():
         ok += int(np.sum(act <= e[st] + np.asarray(ref.error)))
     assert stopped >= 40  # (the target did stop samples: the check is not vacuous)
     assert ok >= 0.99 * stopped, (ok, stopped)
+
+
+def test_se_quadrature_summary_counts_samples_without_an_estimate():
+    """A sample whose error is not controlled (estimate inf: heavy-tailed weights at k >= 6) is
+    counted and named in the note; the batch's maximum and mean say inf, not a finite number."""
+    class Out:
+        error = np.array([2e-4, np.inf, 3e-4])
+
+    class Den:
+        tol, mean_tol = 1e-3, None
+
+    s = se.quadrature_summary(Out(), Den())
+    assert s["quadrature_uncontrolled"] == 1 and s["quadrature_missed"] == 1
+    assert s["quadrature_error_max"] == np.inf and s["quadrature_error_mean"] == np.inf
+    assert "1 without an error estimate (not controlled)" in s["quadrature_note"]
+    Out.error = np.array([2e-4, 3e-4])
+    assert se.quadrature_summary(Out(), Den())["quadrature_uncontrolled"] == 0

@@ -685,12 +685,103 @@ def test_randomised_qmc_stage_reports_an_overflowed_sum_by_its_status():
 
         def modal_rule(self, *args):
             K.modal_rule(*args)
-            args[-2][0, 0] = np.inf
+            args[12][0, 0] = np.inf  # (tot)
 
     g, dg, ex, st = rqmc.run(Overflowing(), obs, om, V[None], m.params_array(), nc, cb, cm, cL, cla, np.arange(2),
                              1e-2, max_points=8192)
     assert st[0] == K.STATUS_NOT_FINITE and ex[0, 2] == np.inf
     assert st[1] == 0 and np.isfinite(g[1]).all() and ex[1, 2] < np.inf
+
+
+def test_randomised_qmc_stage_gives_a_sample_without_components_zero_likelihood():
+    """A sample whose mode search found no component (nc = 0: no point of finite density) gets
+    the zero-likelihood status from the QMC stage, as from the other stages (before: a ValueError
+    from the proposal's refit, for the whole batch); the other sample is unaffected."""
+    from aimsym.denoise import rqmc
+
+    m = load("attention_L2_T3")
+    rng = np.random.default_rng(6)
+    V = 0.6 * np.eye(2)
+    om = np.stack([se_point(m, rng, V=V)[0] for _ in range(2)])
+    Z = om + np.sqrt(0.6) * rng.standard_normal(om.shape)
+    obs = np.array([m.observation(z) for z in Z])
+    K, nc, (cb, cm, cL, cla) = _modes(m, om, obs, V)
+    nc = nc.copy()
+    nc[0] = 0
+    g, dg, ex, st = rqmc.run(K, obs, om, V[None], m.params_array(), nc, cb, cm, cL, cla, np.arange(2), 1e-2,
+                             max_points=8192)
+    assert st[0] == K.STATUS_ZERO_LIKELIHOOD and ex[0, 2] == np.inf
+    assert st[1] == 0 and np.isfinite(g[1]).all() and ex[1, 2] < 1e-2
+
+
+def test_modal_rule_tail_is_the_largest_per_node_weights():
+    """The compiled rule's tail output (the diagnostic of the randomised-QMC stage) is the m
+    largest of sum_j f_j (1 + |z - omega|^2) over the nodes, decreasing: the batch call equals a
+    loop of one-node calls, and each one-node weight is at least that node's S0 (1 + |.|^2 >= 1)."""
+    from aimsym.denoise import rqmc
+
+    m = load("attention_L2_T3")
+    rng = np.random.default_rng(8)
+    V = 0.6 * np.eye(2)
+    om = np.stack([se_point(m, rng, V=V)[0] for _ in range(2)])
+    Z = om + np.sqrt(0.6) * rng.standard_normal(om.shape)
+    obs = np.array([m.observation(z) for z in Z])
+    K, nc, (cb, cm, cL, cla) = _modes(m, om, obs, V)
+    D = int(K.INTEGRAL_DIM)
+    x, w = rqmc.t_points(rqmc.scramblings(3, D)[0], D, 64)
+    nq = 1 + 6 + 21
+    args = (obs, om, V[None], m.params_array(), nc, cb, cm, cL, cla)
+    idx = np.arange(2)
+    tail = np.zeros((2, 10))
+    K.modal_rule(*args, x, w, idx, np.zeros((2, nq)), np.empty(2), tail)
+    single = np.zeros((2, 64))
+    for k in range(64):
+        t1, s0 = np.zeros((2, 1)), np.zeros((2, nq))
+        K.modal_rule(*args, x[k:k + 1], w[k:k + 1], idx, s0, np.empty(2), t1)
+        single[:, k] = t1[:, 0]
+        assert np.all(t1[:, 0] >= s0[:, 0] * (1 - 1e-12)) and np.all(s0[:, 0] >= 0)
+    np.testing.assert_allclose(tail, -np.sort(-single, axis=1)[:, :10], rtol=1e-12)
+    assert np.all(tail[:, 0] > 0)
+
+
+def test_randomised_qmc_stage_does_not_estimate_a_heavy_tailed_sample():
+    """A sample whose first-pass weights have a Pareto tail of shape >= ``rqmc.TAIL_MAX`` gets the
+    estimate inf (its spread is not an error estimate) and a warning counts it; a sample with
+    light tails keeps its finite estimate. (The weights of sample 0 are replaced by Pareto draws
+    of shape 0.95; the tail the stage sees is their largest.)"""
+    from aimsym.denoise import rqmc
+
+    m = load("attention_L2_T3")
+    rng = np.random.default_rng(6)
+    V = 0.6 * np.eye(2)
+    om = np.stack([se_point(m, rng, V=V)[0] for _ in range(2)])
+    Z = om + np.sqrt(0.6) * rng.standard_normal(om.shape)
+    obs = np.array([m.observation(z) for z in Z])
+    K, nc, (cb, cm, cL, cla) = _modes(m, om, obs, V)
+    draws = np.random.default_rng(1)
+
+    class HeavyTailed:  # the compiled module, with sample 0's per-node weights Pareto-tailed
+        def __getattr__(self, name):
+            return getattr(K, name)
+
+        def modal_rule(self, *args):
+            K.modal_rule(*args)
+            tail, n_nodes = args[14], args[9].shape[0]
+            if tail.shape[1]:
+                tail[0] = -np.sort(-(draws.pareto(1 / 0.95, n_nodes) + 1.0))[: tail.shape[1]]
+
+    with pytest.warns(RuntimeWarning, match="1 of 2 samples have heavy-tailed"):
+        g, dg, ex, st = rqmc.run(HeavyTailed(), obs, om, V[None], m.params_array(), nc, cb, cm, cL, cla,
+                                 np.arange(2), 1e-2, max_points=8192)
+    assert np.all(st == 0) and np.isfinite(g).all() and np.isfinite(dg).all()
+    assert ex[0, 2] == np.inf and ex[1, 2] < 1e-2
+    assert ex[0, 4] >= rqmc.TAIL_MAX and ex[1, 4] < 0.5, ex[:, 4]
+    # the true weights of both samples are light-tailed: no flag, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        g2, dg2, ex2, st2 = rqmc.run(K, obs, om, V[None], m.params_array(), nc, cb, cm, cL, cla, np.arange(2),
+                                     1e-2, max_points=8192)
+    assert np.all(np.isfinite(ex2[:, 2]))
 
 
 @pytest.mark.slow

@@ -171,8 +171,24 @@ def test_compile_notice_once_for_a_new_model(tmp_path, capsys, monkeypatch):
     assert model.compile_notice("link_batch") is False  # once per process
     bundled = aimsym.load(GC, Delta=0.5)
     bundled.link(np.zeros((1, 1, 1)))  # compiled (and cached on disk) here at the latest
+    capsys.readouterr()  # (its own notice, when this test runs first in the process)
     monkeypatch.setattr("aimsym.model._NOTICED", set())  # as in a new process
     assert bundled.compile_notice() is False and capsys.readouterr().err == ""
+
+
+def test_compile_notice_sees_the_cached_mode_centred_module(tmp_path, monkeypatch):
+    """At k >= 6 the denoiser runs only the assembled mode-centred module, never the driver's
+    denoise_batch: its cached code counts as compiled (before, such models printed 'compiling
+    kernels' in every process). A model never run on that path has no such module."""
+    m = aimsym.load("attention_L2_T3", c=1.0)
+    rng = np.random.default_rng(0)
+    om = 0.5 * rng.standard_normal((1, 2, 3))
+    obs = m.observation(om[0] + 0.5 * rng.standard_normal((2, 3)))[None]
+    m.denoiser(rule="modal", tol=1e-2)(None, om, 0.6 * np.eye(2), obs=obs)
+    assert m._modal_compiled()
+    monkeypatch.setenv("AIMSYM_CACHE", str(tmp_path / "cache"))
+    fresh = aimsym.load(_toml(tmp_path, "fresh_modal_model", 'kind = "smi"\nindices = 1\ntokens = 1\nlink = "z[0] ** 3"'))
+    assert not fresh._modal_compiled()
 
 
 def test_channel_refuses_non_symmetric_V_and_mismatched_batches():

@@ -177,6 +177,27 @@ def test_quadrature_share_scales_with_the_per_sample_estimates():
     assert se.quadrature_share(g, None, 0.5, Q_hat_r)["quadrature_to_statistical"] is None
 
 
+def test_quadrature_bounds_are_inf_not_nan_for_a_sample_without_an_estimate():
+    """One sample without an error estimate (inf) at a layer whose g vanishes exactly: the Q_hat
+    and Nishimori bounds are inf (no bound), not nan (inf * 0), and nishimori_z stays a number."""
+    rng = np.random.default_rng(1)
+    R, n, p, T = 4, 16, 2, 2
+    g = rng.standard_normal((R, n, p, T))
+    g[:, :, 0] = 0.0
+    dg = rng.standard_normal((R, n, p, T, p, T))
+    err = np.full(R * n, 1e-6)
+    err[3] = np.inf
+    Q_hat_r = np.einsum("rnkt,rnlt->rkl", g, g) / n
+    share = se.quadrature_share(g, err, 0.5, Q_hat_r)
+    assert share["quadrature_Q_hat_bound"] == np.inf and share["quadrature_to_statistical"] == np.inf
+    quad = se.nishimori_quadrature(g, dg, err)
+    assert quad.shape == (p, p) and np.all(quad == np.inf)
+    gg_r = np.einsum("rnkt,rnlt->rkl", g, g) / n
+    assert np.isfinite(se.nishimori_residual(gg_r, -gg_r, quad)["nishimori_z"])
+    err[3] = 1e-6
+    assert np.all(np.isfinite(se.nishimori_quadrature(g, dg, err)))
+
+
 def test_fixed_rule_se_estimates_its_quadrature_error():
     """The generic noisy path runs a fixed rule: the SE estimates its error at the fixed point
     against twice the nodes, folds it into the stderr, and says when it dominates (a 4-node rule

@@ -134,7 +134,7 @@ def advance(K, om, obs, V, params, st: dict, seed: int, n: int, nu: float) -> di
         x, w = rqmc.t_points(eng, D, n, nu)
         tot = np.zeros((1, sums.shape[1]))
         K.modal_rule(obs, om, V[None], params, st["nc"], st["cb"], st["cm"], st["cL"], st["cla"], x, w,
-                     np.arange(1), tot, fs)
+                     np.arange(1), tot, fs, np.zeros((1, 0)))
         sums[r] += tot[0]
     return {**st, "sums": sums, "count": np.int64(int(st["count"]) + n), "fshift": np.float64(fs[0]),
             "cpu": np.float64(float(st["cpu"]) + time.process_time() - t)}

@@ -823,10 +823,12 @@ def _term_point(j, x, wk, obs, params, z, omega, Vinv, logdet_V, nc, cb, cm, cL,
 
 
 @njit(cache=True)
-def modal_rule_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, tot):
+def modal_rule_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, tot, tail):
     """Moment sums [S0, S1, lower S2] of z - omega (scaled by exp(-fshift), fshift = the largest
     log Laplace mass) of the partition-of-unity terms, each by the standard-normal rule
-    (nodes, w) mapped onto its component. Returns fshift (nan: V not positive definite)."""
+    (nodes, w) mapped onto its component; tail (size m, may be 0) gets the m largest per-node
+    weights sum_j f_j (1 + |z - omega|^2), in decreasing order (the tail diagnostic of
+    ``aimsym.denoise.rqmc``). Returns fshift (nan: V not positive definite)."""
     p = P
     nt = T
     pt = p * nt
@@ -837,6 +839,8 @@ def modal_rule_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, tot):
     z = np.zeros((p, nt))
     u = np.empty(D)
     dz = np.empty(pt)
+    keep = tail.shape[0]
+    node_w = np.zeros(nodes.shape[0] if keep else 0)
     for q in range(tot.shape[0]):
         tot[q] = 0.0
     for j in range(nc):
@@ -845,9 +849,13 @@ def modal_rule_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, tot):
                             cla, fshift, u)
             if not (f == f):
                 continue
+            r2 = 0.0
             for kk in range(p):
                 for tt in range(nt):
                     dz[kk * nt + tt] = z[kk, tt] - omega[kk, tt]
+                    r2 += dz[kk * nt + tt] * dz[kk * nt + tt]
+            if keep:
+                node_w[k] += f * (1.0 + r2)
             tot[0] += f
             q = 1
             for a in range(pt):
@@ -858,6 +866,10 @@ def modal_rule_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, tot):
                 for c in range(a + 1):
                     tot[q] += fa * dz[c]
                     q += 1
+    if keep:
+        srt = np.sort(node_w)
+        for a in range(keep):
+            tail[a] = srt[srt.shape[0] - 1 - a] if a < srt.shape[0] else 0.0
     return fshift
 
 
@@ -904,14 +916,15 @@ def modal_refit(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, idx, S0, S
 
 
 @njit(cache=True, parallel=True)
-def modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, idx, tot, fshift):
-    """``modal_rule_one`` for the samples idx of a batch (tot, fshift indexed like idx)."""
+def modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, idx, tot, fshift, tail):
+    """``modal_rule_one`` for the samples idx of a batch (tot, fshift, tail indexed like idx;
+    tail of shape (idx.size, 0) where no tail is wanted)."""
     shared = V.shape[0] == 1
     for r in prange(idx.shape[0]):
         i = idx[r]
         Vi = V[0] if shared else V[i]
         fshift[r] = modal_rule_one(obs[i], omega[i], Vi, params, nc[i], cb[i], cm[i], cL[i], cla[i], nodes, w,
-                                   tot[r])
+                                   tot[r], tail[r])
 
 
 @njit(cache=True, parallel=True)

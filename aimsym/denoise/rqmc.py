@@ -9,6 +9,14 @@ log Z_out; their spread is a statistical error, and the estimate is ``SAFETY`` t
 standard error of the mean over the entries (relative to their size, at least 1, as the other
 stages). The points double until the estimate meets tol or ``max_points`` per replicate.
 
+A spread measures the error only where the weights have a finite variance. Where the integrand
+has a sharp structure the modes do not describe (untied layers whose mixing c I + S is nearly
+singular: the solved query runs off), a rare point carries a large weight, the replicates agree
+until one meets it, and the spread understated the actual error by up to 3x (two untied layers at
+T = 3, docs/denoiser.md). The tail of the first pass's per-point weights is fitted by a
+generalised Pareto law (``aimsym.numerics.pareto_tail_index``); a sample whose shape is at least
+``TAIL_MAX`` gets the estimate inf: its error is not controlled, and a warning counts it.
+
 Where the cascade's cubature needs 14 s for an estimate of 0.36 (four layers, k = 6), this stage
 reaches ~1e-3 in about two seconds (docs/performance.md); its error falls as about N^-2/3, so it
 is the rule for moderate accuracy at large k, not for 1e-8.
@@ -16,10 +24,13 @@ is the rule for moderate accuracy at large k, not for 1e-8.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 from scipy.special import gammaln
 from scipy.stats import chi2, norm, qmc
 
+from ..numerics import pareto_tail_index, tail_size
 from . import chamber
 
 NU = 4.0
@@ -40,6 +51,10 @@ SHIFT_TRIES = 6
 # population Monte Carlo steps before the replicates, each with REFIT_POINTS points
 REFITS = 2
 REFIT_POINTS = 4096
+# the Pareto shape of the weights' tail from which the spread is not an estimate: 1/2 is where
+# the variance becomes infinite; at two untied layers, T = 3, every sample whose spread understated
+# the actual error had a shape >= 0.81, none of the shapes in [1/2, 0.7) did (docs/denoiser.md)
+TAIL_MAX = 0.7
 
 
 def t_points(engine, D: int, n: int, nu: float = NU):
@@ -56,36 +71,53 @@ def t_points(engine, D: int, n: int, nu: float = NU):
 def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, max_points: int = MAX_POINTS,
         seed: int | None = None):
     """The stage for the samples ``active`` of a batch (components from ``modal_modes``).
-    Returns g_out, dg_out and extra [log Z_out, evaluations, estimate, budget hit], indexed like
-    active, and a status array."""
+    Returns g_out, dg_out and extra [log Z_out, evaluations, estimate, budget hit, Pareto shape of
+    the weights' tail], indexed like active, and a status array; warns with the count of samples
+    whose weights are heavy-tailed (estimate inf)."""
     D = int(K.INTEGRAL_DIM)
     n = active.size
     p, T = omega.shape[1:]
     pt = p * T
     nq = 1 + pt + pt * (pt + 1) // 2
     g, dg = np.empty((n, p, T)), np.empty((n, p, T, p, T))
-    extra = np.zeros((n, 4))
+    extra = np.zeros((n, 5))
     extra[:, 2] = np.inf
+    extra[:, 4] = np.nan
     status = np.zeros(n, np.int64)
     seed = SEED if seed is None else seed
-    cm, cL, cla = proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, seed)
+    # (a sample whose mode search found no component has no proposal: zero likelihood, as elsewhere)
+    empty = nc[active] <= 0
+    status[empty] = np.where(nc[active[empty]] < 0, -nc[active[empty]], int(K.STATUS_ZERO_LIKELIHOOD))
+    cm, cL, cla = proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active[~empty], seed)
     engines = scramblings(seed, D)
     sums = np.zeros((REPS, n, nq))
     fshift = np.empty(n)
     res = chamber.residual_covariance(K, V)
-    left = np.arange(n)  # positions in active still refining
+    left = np.flatnonzero(~empty)  # positions in active still refining
     count, step = 0, START
+    # the largest per-point weights of the replicates' first passes (their tail: ``TAIL_MAX``)
+    keep = tail_size(REPS * START) + 1
+    top = np.zeros((n, keep))
+    heavy = np.zeros(n, bool)
     while left.size and count < max_points:
         idx = active[left]
         for r, eng in enumerate(engines):
             x, w = t_points(eng, D, step)
             tot, fs = np.zeros((left.size, nq)), np.empty(left.size)
-            K.modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs)
+            tail = np.zeros((left.size, keep if count == 0 else 0))
+            K.modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs, tail)
             if not np.isfinite(tot).all():
-                rows, up = _rescale_overflow(K, obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs)
+                rows, up = _rescale_overflow(K, obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs, tail)
                 sums[:, left[rows]] *= np.exp(-up)[None, :, None]  # (the sums so far, in the raised scale)
+                top[left[rows]] *= np.exp(-up)[:, None]
+            if count == 0:
+                both = np.concatenate([top[left], tail], axis=1)
+                top[left] = np.partition(both, both.shape[1] - keep, axis=1)[:, -keep:]
             sums[r, left] += tot
             fshift[left] = fs
+        if count == 0:
+            extra[:, 4] = [pareto_tail_index(top[a], REPS * START) for a in range(n)]
+            heavy = extra[:, 4] >= TAIL_MAX
         count += step
         extra[left, 1] += REPS * step * nc[idx]
         reps = [_finish(K, omega, V, idx, sums[r, left] / count, fshift[left]) for r in range(REPS)]
@@ -95,13 +127,17 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
         st = np.where((st == 0) & ~finite, int(K.STATUS_NOT_FINITE), st)
         fine = (st == 0) & np.all([rp[3] == 0 for rp in reps], axis=0)
         est = SAFETY * _spread(reps, gm, dgm) * chamber.final_scale(dgm, chamber.residual_rows(res, idx))
-        est = np.where(fine & np.isfinite(est), est, np.inf)
+        est = np.where(fine & np.isfinite(est) & ~heavy[left], est, np.inf)
         g[left], dg[left], extra[left, 0] = gm, dgm, lzm
         extra[left, 2] = est
         status[left] = np.where(fine, 0, st)
         left = left[~(est <= tol) & (st == 0)]
         step = count  # (doubling: the next points of each sequence)
     extra[left, 3] = 1.0
+    if np.any(heavy & (status == 0)):
+        warnings.warn(f"denoiser: {int(np.sum(heavy & (status == 0)))} of {n} samples have heavy-tailed importance "
+                      f"weights (Pareto shape >= {TAIL_MAX}): their error is not controlled (estimate inf)",
+                      RuntimeWarning, stacklevel=2)
     return g, dg, extra, status
 
 
@@ -133,13 +169,14 @@ def _raise_masses(cla, nc, idx, nonfinite, resum, shift: float = SHIFT, tries: i
     return bad, up
 
 
-def _rescale_overflow(K, obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs):
-    """``_raise_masses`` for the moment sums tot (and fshift fs) of one chunk of ``run``."""
+def _rescale_overflow(K, obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, tot, fs, tail):
+    """``_raise_masses`` for the moment sums tot (fshift fs, largest weights tail) of one chunk of
+    ``run``."""
 
     def resum(rows):
-        t2, f2 = np.zeros((rows.size, tot.shape[1])), np.empty(rows.size)
-        K.modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx[rows], t2, f2)
-        tot[rows], fs[rows] = t2, f2
+        t2, f2, w2 = np.zeros((rows.size, tot.shape[1])), np.empty(rows.size), np.zeros((rows.size, tail.shape[1]))
+        K.modal_rule(obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx[rows], t2, f2, w2)
+        tot[rows], fs[rows], tail[rows] = t2, f2, w2
 
     return _raise_masses(cla, nc, idx, lambda: np.flatnonzero(~np.isfinite(tot).all(axis=1)), resum)
 

@@ -565,6 +565,8 @@ def nishimori_quadrature(g: np.ndarray, dg: np.ndarray, err, W=None) -> np.ndarr
     if W is not None:
         e = np.where(W > 0, W * e, 0.0)
         g, dg = (np.where(W.reshape((R, n) + (1,) * (x.ndim - 2)) > 0, x, 0.0) for x in (g, dg))
+    if not np.isfinite(e).all():  # (a sample without an estimate: no bound; inf * 0 would give nan)
+        return np.full((p, p), np.inf)
     dg_abs = e * np.maximum(1.0, np.abs(g).max(axis=(2, 3)))  # each entry of g_out
     ddg_abs = e * np.maximum(1.0, np.abs(dg).reshape(R, n, -1).max(axis=2))  # each entry of dg_out
     a = np.abs(g).sum(axis=3)  # sum_t |g_kt|
@@ -605,13 +607,17 @@ def quadrature_summary(out, den) -> dict:
                 "quadrature_note": "fixed rule: the quadrature error is not estimated"}
     err = np.asarray(err, dtype=float).ravel()
     missed = int(np.sum(err > tol)) if tol else None
+    uncontrolled = int(np.sum(~np.isfinite(err)))
     mean_tol = getattr(den, "mean_tol", None)
     note = f"{missed} of {err.size} samples above tol" if missed else "every sample within tol"
     if missed and mean_target_met(err, mean_tol):
         note += f" (refinement stopped once the mean estimate met mean_tol = {mean_tol:g})"
+    if uncontrolled:
+        # (heavy-tailed importance weights, or no stage within its budget: the bounds below are inf)
+        note += f"; {uncontrolled} without an error estimate (not controlled)"
     return {"quadrature_error_max": float(np.max(err)), "quadrature_error_median": float(np.median(err)),
             "quadrature_error_mean": float(np.mean(err)), "quadrature_tol": tol, "quadrature_mean_tol": mean_tol,
-            "quadrature_missed": missed, "quadrature_note": note}
+            "quadrature_missed": missed, "quadrature_uncontrolled": uncontrolled, "quadrature_note": note}
 
 
 def finer_rule(model, den):
@@ -641,6 +647,8 @@ def quadrature_share(g: np.ndarray, err, alpha: float, Q_hat_r: np.ndarray, W=No
     if W is not None:
         err = np.where(W > 0, W * err, 0.0)
         g = np.where(W[..., None, None] > 0, g, 0.0)
+    if not np.isfinite(err).all():  # (a sample without an estimate: no bound; inf * 0 would give nan)
+        return {"quadrature_Q_hat_bound": float("inf"), "quadrature_to_statistical": float("inf")}
     dg = err * np.maximum(1.0, np.abs(g).max(axis=(2, 3)))  # (R, n) absolute error of each g entry
     a = np.abs(g).sum(axis=3)  # (R, n, p): sum_t |g_kt|
     bound = 2.0 * alpha * np.einsum("rn,rnk->k", dg, a) / (R * n)  # diagonal entries Q_hat_kk
