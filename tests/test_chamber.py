@@ -509,3 +509,24 @@ def test_se_quadrature_summary_counts_samples_without_an_estimate():
     assert "1 without an error estimate (not controlled)" in s["quadrature_note"]
     Out.error = np.array([2e-4, 3e-4])
     assert se.quadrature_summary(Out(), Den())["quadrature_uncontrolled"] == 0
+
+
+def test_se_rewarn_sums_the_heavy_tail_counts_into_one_warning():
+    """The QMC stage warns per call about heavy-tailed samples; the SE replaces those, and the
+    'did not reach tol' ones, by one warning per pass that counts the uncontrolled samples."""
+    import warnings as w
+
+    class Out:
+        error = np.array([2e-4, np.inf, 5e-3, 1e-4])
+
+    caught = [w.WarningMessage("denoiser: 1 of 2 samples have heavy-tailed importance weights", RuntimeWarning,
+                               "x.py", 1),
+              w.WarningMessage("denoiser: 2 of 4 samples did not reach tol=0.001", RuntimeWarning, "x.py", 2),
+              w.WarningMessage("something else", UserWarning, "x.py", 3)]
+    with w.catch_warnings(record=True) as got:
+        w.simplefilter("always")
+        se._rewarn(caught, Out(), 1e-3)
+    msgs = [str(x.message) for x in got]
+    assert len(msgs) == 2 and "something else" in msgs
+    summary = next(m for m in msgs if "did not reach" in m)
+    assert "2 of 4 samples did not reach tol=0.001" in summary and "1 not controlled" in summary

@@ -104,6 +104,32 @@ def test_phase_retrieval_zero_below_positive_above_half():
     assert lo.Q[0, 0] < 1e-3 < 0.05 < hi.Q[0, 0]
 
 
+def test_se_with_a_sample_whose_quadrature_error_is_not_controlled_says_so():
+    """A denoiser that returns one sample without an error estimate (inf, as the k >= 6 QMC
+    stage does for heavy-tailed weights): the fixed point is still computed, its Q_stderr is inf
+    (not nan, not the statistical error alone) and the diagnostics count and name the sample."""
+
+    class Uncontrolled(PhaseRetrieval):
+        def denoiser(self, **_):
+            inner = _PRDenoiser()
+
+            def den(y, omega, V):
+                out = inner(y, omega, V)
+                out.error = np.zeros(np.size(out.log_z_out))
+                out.error[0] = np.inf
+                return out
+
+            den.accuracy = inner.accuracy
+            return den
+
+    res = se.state_evolution(Uncontrolled(), 0.8, samples=1024, replicas=4, errors=False, seed=2)
+    assert 0.05 < res.Q[0, 0] < 0.999
+    assert np.all(res.Q_stderr == np.inf)
+    d = res.diagnostics
+    assert d["quadrature_uncontrolled"] == 1 and d["quadrature_to_statistical"] == np.inf
+    assert "not controlled" in d["quadrature_note"] and "Q_stderr is inf" in d["quadrature_note"]
+
+
 def test_two_layer_fixed_point_structure():
     """alpha = 0.5, skip = 1: only the last layer is learned; Q symmetric, within [0, I]."""
     model = aimsym.load(DER / "attention_L2_T2.toml", skip=1.0)

@@ -413,15 +413,17 @@ def _rewarn(caught, out, tol, mean_tol=None) -> None:
     """Warnings of the denoiser call, with its 'did not reach tol' count replaced by the count
     after :func:`rescue`; none where the batch's mean estimate meets ``mean_tol`` (the samples
     left above tol were stopped there on purpose; their estimates are in the diagnostics)."""
-    for w in caught:
-        if "did not reach tol" not in str(w.message):
+    for w in caught:  # (the per-chunk counts of both kinds are summed up below, once per pass)
+        if "did not reach tol" not in str(w.message) and "heavy-tailed importance" not in str(w.message):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     err = getattr(out, "error", None)
     if tol is not None and err is not None:
         missed = int(np.sum(~(np.asarray(err) <= tol)))
+        uncontrolled = int(np.sum(np.isinf(np.asarray(err))))
+        why = f"; {uncontrolled} not controlled (no estimate, e.g. heavy-tailed weights)" if uncontrolled else ""
         if missed and not mean_target_met(err, mean_tol):
             warnings.warn(f"denoiser: {missed} of {np.size(err)} samples did not reach tol={tol:g} even with "
-                          f"the mode-centred rule (largest estimated error {np.nanmax(err):.1e})",
+                          f"the mode-centred rule (largest estimated error {np.nanmax(err):.1e}{why})",
                           RuntimeWarning, stacklevel=3)
 
 
@@ -1020,9 +1022,11 @@ def _state_evolution(model, ch, alpha, init, side_info, side_block, restrict, da
         Q_se = np.sqrt(Q_se**2 + step**2)
     # the quadrature error folded in (conservatively, by its largest share of Q_hat's stderr)
     share = diag.get("quadrature_to_statistical") or 0.0
-    Q_se = Q_se * np.sqrt(1.0 + share**2)
+    # (share inf: samples without an error estimate; the stderr is then inf, not 0 * inf = nan)
+    Q_se = Q_se * np.sqrt(1.0 + share**2) if np.isfinite(share) else np.full_like(Q_se, np.inf)
     if share > 1.0:
-        diag["quadrature_note"] += "; the quadrature error dominates the statistical error"
+        diag["quadrature_note"] += ("; the quadrature error dominates the statistical error" if np.isfinite(share) else
+                                    "; Q_stderr is inf: the quadrature error is not controlled")
     phi_r = np.array([free_entropy(Q_fp, Q_hat, alpha, s) for s in psi_r])
     phi, phi_se = mean_and_stderr(phi_r)
     errs = layer_errors(Q_fp, Q_se, mask)
