@@ -155,6 +155,20 @@ def test_quadrature_audit_detects_a_coarse_rule():
     assert qc["evaluations"] == 3 * 50 and len(qc["per_iteration"]) == 3
     assert qc["missed"] == sum(r["missed"] for r in qc["per_iteration"])
     assert qc["max_error"] <= qc["tol"] or qc["missed"] > 0
+    assert qc["uncontrolled"] == sum(r["uncontrolled"] for r in qc["per_iteration"]) == 0  # (k = 2: no QMC)
+
+
+def test_amp_controlled_summary_counts_uncontrolled_evaluations():
+    """Evaluations without an estimate (inf: the QMC stage's heavy-tailed samples) are counted
+    per iteration and in all, next to those above tol."""
+    from aimsym.smi.amp import controlled_summary
+
+    class Trace:
+        quadrature = [(1e-4, 0, 50, 0), (np.inf, 3, 50, 2)]
+
+    s = controlled_summary([Trace(), Trace()], 1e-3)
+    assert s["evaluations"] == 200 and s["missed"] == 6 and s["uncontrolled"] == 4 and s["max_error"] == np.inf
+    assert [r["uncontrolled"] for r in s["per_iteration"]] == [0, 2]
 
 
 def test_amp_denoiser_tolerance_follows_the_statistical_error():

@@ -144,10 +144,12 @@ def gamp(den, data, *, lam: float = 0.0, damping: float = 0.0, max_iter: int = 5
         with warnings.catch_warnings():
             if getattr(den, "tol", None):  # (counted below and summarised once by run_amp)
                 warnings.filterwarnings("ignore", message="denoiser: .* did not reach tol", category=RuntimeWarning)
+                warnings.filterwarnings("ignore", message="denoiser: .* heavy-tailed importance", category=RuntimeWarning)
             out = den(data.y, omega, V)
         if getattr(out, "error", None) is not None and getattr(den, "tol", None):
             err = np.asarray(out.error, dtype=float).ravel()
-            quad.append((float(np.max(err, initial=0.0)), int(np.sum(err > den.tol)), int(err.size)))
+            quad.append((float(np.max(err, initial=0.0)), int(np.sum(err > den.tol)), int(err.size),
+                         int(np.sum(np.isinf(err)))))
         if audit_rows is not None:
             audit_inputs.append((omega[audit_rows], V, out.g_out[audit_rows], out.dg_out[audit_rows]))
         t2 = time.perf_counter()
@@ -288,9 +290,9 @@ def controlled_summary(traces: list, tol: float) -> dict:
     estimate, per iteration of the first seed."""
     allq = [q for tr in traces for q in tr.quadrature]
     return {"tol": tol, "evaluations": int(sum(q[2] for q in allq)), "missed": int(sum(q[1] for q in allq)),
-            "max_error": float(max((q[0] for q in allq), default=0.0)),
-            "per_iteration": [{"iteration": i + 1, "max_error": q[0], "missed": q[1], "samples": q[2]}
-                              for i, q in enumerate(traces[0].quadrature)]}
+            "uncontrolled": int(sum(q[3] for q in allq)), "max_error": float(max((q[0] for q in allq), default=0.0)),
+            "per_iteration": [{"iteration": i + 1, "max_error": q[0], "missed": q[1], "uncontrolled": q[3],
+                               "samples": q[2]} for i, q in enumerate(traces[0].quadrature)]}
 
 
 def quadrature_audit(model, den, y, inputs: list, tol: float = AUDIT_TOL) -> dict:
@@ -456,7 +458,9 @@ def run_amp(model, *, d: int, alpha: float, seeds: int = 1, seed: int = 0, lam: 
         warnings.warn(RuntimeWarning(
             f"GAMP: {audit['missed']} of {audit['evaluations']} denoiser evaluations ended above tol = "
             f"{den.tol:.1e} at the refinement cap (largest estimate {audit['max_error']:.1e}; typically V -> 0 "
-            "near perfect recovery); their error estimates are in 'quadrature'"), stacklevel=2)
+            "near perfect recovery); their error estimates are in 'quadrature'"
+            + (f"; {audit['uncontrolled']} without an estimate (not controlled: heavy-tailed importance weights)"
+               if audit.get("uncontrolled") else "")), stacklevel=2)
     stalled = sum(1 for tr in traces if not tr.converged)
     if stalled:
         from ..errors import ConvergenceWarning
