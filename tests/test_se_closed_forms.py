@@ -224,6 +224,30 @@ def test_quadrature_bounds_are_inf_not_nan_for_a_sample_without_an_estimate():
     assert np.all(np.isfinite(se.nishimori_quadrature(g, dg, err)))
 
 
+def test_operator_quadrature_bound_is_inf_for_a_weighted_sample_without_an_estimate():
+    """The weak-recovery operator's bound: inf where a sample that counts has no estimate (not nan
+    from a zero block), finite where that sample's weight is 0, and linear in small estimates."""
+    from aimsym.smi.thresholds import quadrature_bound
+
+    rng = np.random.default_rng(3)
+    N, T, k = 6, 2, 2
+    D = rng.standard_normal((2, 3, T, T, k, k))
+    D[0, 1] = 0.0
+
+    class Out:
+        dg_out = rng.standard_normal((N, k, T, k, T))
+        error = np.full(N, 1e-8)
+
+    small = quadrature_bound(Out, D)
+    Out.error = np.full(N, 2e-8)
+    assert quadrature_bound(Out, D) == pytest.approx(2 * small, rel=1e-6)
+    Out.error[1] = np.inf
+    assert quadrature_bound(Out, D) == np.inf
+    w = np.ones(N)
+    w[1] = 0.0
+    assert np.isfinite(quadrature_bound(Out, D, w))
+
+
 def test_fixed_rule_se_estimates_its_quadrature_error():
     """The generic noisy path runs a fixed rule: the SE estimates its error at the fixed point
     against twice the nodes, folds it into the stderr, and says when it dominates (a 4-node rule

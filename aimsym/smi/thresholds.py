@@ -195,10 +195,13 @@ def quadrature_bound(out, D: np.ndarray, weights=None) -> float | None:
     if err is None:
         return None
     N, k = out.dg_out.shape[0], D.shape[-1]
-    d = np.asarray(err, float).reshape(N) * np.maximum(1.0, np.abs(out.dg_out).reshape(N, -1).max(axis=1))
+    w = np.ones(N) if weights is None else np.asarray(weights, float).reshape(N)
+    e = np.asarray(err, float).reshape(N)
+    if not np.isfinite(e[w != 0]).all():  # (a sample without an estimate: no bound; inf * 0 would give nan)
+        return float("inf")
+    d = np.where(w != 0, e, 0.0) * np.maximum(1.0, np.abs(out.dg_out).reshape(N, -1).max(axis=1))
     norms = np.sqrt(np.einsum("ntsab,ntsab->nts", D.reshape(N, *D.shape[2:]), D.reshape(N, *D.shape[2:])))
     b = np.sum(2 * k * norms * d[:, None, None] + k * k * d[:, None, None] ** 2, axis=(1, 2))
-    w = np.ones(N) if weights is None else np.asarray(weights, float).reshape(N)
     return float(np.mean(w * b))
 
 
