@@ -714,6 +714,35 @@ def test_randomised_qmc_stage_gives_a_sample_without_components_zero_likelihood(
     assert st[1] == 0 and np.isfinite(g[1]).all() and ex[1, 2] < 1e-2
 
 
+def test_defensive_component_is_the_widened_moment_match_of_its_branch():
+    """One more component per branch: its mean and covariance / widen^2 are the mixture's
+    (sum a_j N(m_j, L_j L_j^T) over the branch, a_j = exp(cla_j)), its mass share x the branch's;
+    the modes' components are untouched, a sample without room gets none."""
+    from aimsym.denoise import rqmc
+
+    rng = np.random.default_rng(4)
+    n, room, D = 2, 5, 3
+    nc = np.array([3, 5])
+    cb = np.array([[0, 1, 0, 0, 0], [0, 0, 1, 1, 1]])
+    cm, cla = rng.standard_normal((n, room, D)), rng.normal(size=(n, room))
+    cL = np.tril(rng.standard_normal((n, room, D, D))) + 2 * np.eye(D)
+    before = (cm.copy(), cL.copy(), cla.copy())
+    rqmc.defensive(nc, cb, cm, cL, cla, np.arange(n), widen=3.0, share=0.1)
+    assert nc.tolist() == [5, 5]  # sample 0: one per branch; sample 1: no room
+    for a, b in zip((cm, cL, cla), before):
+        np.testing.assert_array_equal(a[0, :3], b[0, :3])
+        np.testing.assert_array_equal(a[1], b[1])
+    for q, branch in ((3, 0), (4, 1)):
+        js = [j for j in range(3) if cb[0, j] == branch]
+        w = np.exp(cla[0, js])
+        mu = sum(w[t] * cm[0, j] for t, j in enumerate(js)) / w.sum()
+        C = sum(w[t] * (cL[0, j] @ cL[0, j].T + np.outer(cm[0, j] - mu, cm[0, j] - mu)) for t, j in enumerate(js)) / w.sum()
+        assert cb[0, q] == branch
+        np.testing.assert_allclose(cm[0, q], mu, rtol=1e-12)
+        np.testing.assert_allclose(cL[0, q] @ cL[0, q].T, 9.0 * C, rtol=1e-10)
+        assert cla[0, q] == pytest.approx(np.log(0.1 * w.sum()), rel=1e-12)
+
+
 def test_modal_rule_tail_is_the_largest_per_node_weights():
     """The compiled rule's tail output (the diagnostic of the randomised-QMC stage) is the m
     largest of sum_j f_j (1 + |z - omega|^2) over the nodes, decreasing: the batch call equals a
@@ -759,6 +788,7 @@ def test_randomised_qmc_stage_does_not_estimate_a_heavy_tailed_sample():
     obs = np.array([m.observation(z) for z in Z])
     K, nc, (cb, cm, cL, cla) = _modes(m, om, obs, V)
     draws = np.random.default_rng(1)
+    seen = []
 
     class HeavyTailed:  # the compiled module, with sample 0's per-node weights Pareto-tailed
         def __getattr__(self, name):
@@ -766,8 +796,9 @@ def test_randomised_qmc_stage_does_not_estimate_a_heavy_tailed_sample():
 
         def modal_rule(self, *args):
             K.modal_rule(*args)
-            tail, n_nodes = args[14], args[9].shape[0]
-            if tail.shape[1]:
+            tail, n_nodes, idx = args[14], args[9].shape[0], args[11]
+            if tail.shape[1] and idx[0] == 0:
+                seen.append(int(args[4][0]))  # (sample 0's component count)
                 tail[0] = -np.sort(-(draws.pareto(1 / 0.95, n_nodes) + 1.0))[: tail.shape[1]]
 
     with pytest.warns(RuntimeWarning, match="1 of 2 samples have heavy-tailed"):
@@ -776,6 +807,9 @@ def test_randomised_qmc_stage_does_not_estimate_a_heavy_tailed_sample():
     assert np.all(st == 0) and np.isfinite(g).all() and np.isfinite(dg).all()
     assert ex[0, 2] == np.inf and ex[1, 2] < 1e-2
     assert ex[0, 4] >= rqmc.TAIL_MAX and ex[1, 4] < 0.5, ex[:, 4]
+    # it was run again with a defensive component per branch before being given up
+    branches = len(set(cb[0, :nc[0]].tolist()))
+    assert seen[0] == nc[0] and seen[-1] == nc[0] + branches, (seen, nc[0])
     # the true weights of both samples are light-tailed: no flag, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)

@@ -114,7 +114,7 @@ def seed_state(K, om, obs, V, params, seed: int, path: Path) -> dict:
     if path.exists():
         return dict(np.load(path))
     nc, (cb, cm, cL, cla) = modal.modes(K, obs, om, V[None], params)
-    cm, cL, cla = rqmc.proposal(K, obs, om, V[None], params, nc, cb, cm, cL, cla, np.arange(1), seed)
+    nc, cb, cm, cL, cla = rqmc.proposal(K, obs, om, V[None], params, nc, cb, cm, cL, cla, np.arange(1), seed)
     pt = om.shape[1] * om.shape[2]
     st = {"nc": nc, "cb": cb, "cm": cm, "cL": cL, "cla": cla, "count": np.int64(0),
           "sums": np.zeros((rqmc.REPS, 1 + pt + pt * (pt + 1) // 2)), "fshift": np.float64(np.nan),

@@ -9,13 +9,14 @@ log Z_out; their spread is a statistical error, and the estimate is ``SAFETY`` t
 standard error of the mean over the entries (relative to their size, at least 1, as the other
 stages). The points double until the estimate meets tol or ``max_points`` per replicate.
 
-A spread measures the error only where the weights have a finite variance. Where the integrand
-has a sharp structure the modes do not describe (untied layers whose mixing c I + S is nearly
-singular: the solved query runs off), a rare point carries a large weight, the replicates agree
-until one meets it, and the spread understated the actual error by up to 3x (two untied layers at
-T = 3, docs/denoiser.md). The tail of the first pass's per-point weights is fitted by a
-generalised Pareto law (``aimsym.numerics.pareto_tail_index``); a sample whose shape is at least
-``TAIL_MAX`` gets the estimate inf: its error is not controlled, and a warning counts it.
+A spread measures the error only where the weights have a finite variance. Where the posterior
+has mass the modes' Gaussians do not cover (a plateau between and around them, two untied layers
+at T = 3), a rare point far out in a component's proposal carries a large weight, the replicates
+agree until one meets it, and the spread understated the actual error by up to 3x
+(docs/denoiser.md). Two defences: a wide component per branch in the proposal (``defensive``),
+and a check that what is left is not heavy-tailed: the tail of the first pass's per-point weights
+is fitted by a generalised Pareto law (``aimsym.numerics.pareto_tail_index``); a sample whose shape
+is at least ``TAIL_MAX`` gets the estimate inf: its error is not controlled, and a warning counts it.
 
 Where the cascade's cubature needs 14 s for an estimate of 0.36 (four layers, k = 6), this stage
 reaches ~1e-3 in about two seconds (docs/performance.md); its error falls as about N^-2/3, so it
@@ -51,6 +52,13 @@ SHIFT_TRIES = 6
 # population Monte Carlo steps before the replicates, each with REFIT_POINTS points
 REFITS = 2
 REFIT_POINTS = 4096
+# the defensive component per branch (``defensive``), for the samples whose first pass is heavy-
+# tailed: the moment-matched Gaussian of the branch's components, DEFENSIVE_WIDTH times wider, with
+# DEFENSIVE_SHARE of their mass. At two untied layers, T = 3, it took 17 of the 24 samples with
+# heavy-tailed weights below TAIL_MAX (width 5: 15); on every sample of four layers at T = 2 it
+# cost 36 % more time for the same estimates, hence only where needed (docs/denoiser.md)
+DEFENSIVE_WIDTH = 3.0
+DEFENSIVE_SHARE = 0.1
 # the Pareto shape of the weights' tail from which the spread is not an estimate: 1/2 is where
 # the variance becomes infinite; at two untied layers, T = 3, every sample whose spread understated
 # the actual error had a shape >= 0.81, none of the shapes in [1/2, 0.7) did (docs/denoiser.md)
@@ -69,11 +77,14 @@ def t_points(engine, D: int, n: int, nu: float = NU):
 
 
 def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, max_points: int = MAX_POINTS,
-        seed: int | None = None):
+        seed: int | None = None, defended: bool = False):
     """The stage for the samples ``active`` of a batch (components from ``modal_modes``).
     Returns g_out, dg_out and extra [log Z_out, evaluations, estimate, budget hit, Pareto shape of
-    the weights' tail], indexed like active, and a status array; warns with the count of samples
-    whose weights are heavy-tailed (estimate inf)."""
+    the weights' tail], indexed like active, and a status array. A sample whose first pass is
+    heavy-tailed (``TAIL_MAX``) stops there and runs again with a defensive component per branch
+    (``defended``: this is that run); warns with the count still heavy-tailed (estimate inf)."""
+    comps = (nc, cb, cm, cL, cla)
+    retry = not defended and DEFENSIVE_WIDTH > 0 and DEFENSIVE_SHARE > 0
     D = int(K.INTEGRAL_DIM)
     n = active.size
     p, T = omega.shape[1:]
@@ -88,7 +99,8 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
     # (a sample whose mode search found no component has no proposal: zero likelihood, as elsewhere)
     empty = nc[active] <= 0
     status[empty] = np.where(nc[active[empty]] < 0, -nc[active[empty]], int(K.STATUS_ZERO_LIKELIHOOD))
-    cm, cL, cla = proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active[~empty], seed)
+    nc, cb, cm, cL, cla = proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active[~empty], seed,
+                                   wide=defended)
     engines = scramblings(seed, D)
     sums = np.zeros((REPS, n, nq))
     fshift = np.empty(n)
@@ -131,13 +143,22 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
         g[left], dg[left], extra[left, 0] = gm, dgm, lzm
         extra[left, 2] = est
         status[left] = np.where(fine, 0, st)
-        left = left[~(est <= tol) & (st == 0)]
+        left = left[~(est <= tol) & (st == 0) & ~(retry & heavy[left])]
         step = count  # (doubling: the next points of each sequence)
     extra[left, 3] = 1.0
+    if defended:
+        return g, dg, extra, status
+    again = np.flatnonzero(heavy & (status == 0))
+    if again.size and retry:
+        g2, dg2, ex2, st2 = run(K, obs, omega, V, params, *comps, active[again], tol, max_points=max_points, seed=seed,
+                                defended=True)
+        ex2[:, 1] += extra[again, 1]
+        g[again], dg[again], extra[again], status[again] = g2, dg2, ex2, st2
+        heavy[again] = ex2[:, 4] >= TAIL_MAX
     if np.any(heavy & (status == 0)):
         warnings.warn(f"denoiser: {int(np.sum(heavy & (status == 0)))} of {n} samples have heavy-tailed importance "
-                      f"weights (Pareto shape >= {TAIL_MAX}): their error is not controlled (estimate inf)",
-                      RuntimeWarning, stacklevel=2)
+                      f"weights (Pareto shape >= {TAIL_MAX}, with a defensive proposal): their error is not "
+                      "controlled (estimate inf)", RuntimeWarning, stacklevel=2)
     return g, dg, extra, status
 
 
@@ -181,15 +202,50 @@ def _rescale_overflow(K, obs, omega, V, params, nc, cb, cm, cL, cla, x, w, idx, 
     return _raise_masses(cla, nc, idx, lambda: np.flatnonzero(~np.isfinite(tot).all(axis=1)), resum)
 
 
-def proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, seed: int):
-    """Copies of the components (cm, cL, cla) of the samples ``active`` after ``REFITS`` steps of
-    population Monte Carlo on the pilot sequence of ``seed``: the proposal the replicates use."""
+def proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, seed: int, wide: bool = False):
+    """Copies of the components (nc, cb, cm, cL, cla) of the samples ``active`` (``wide``: with a
+    defensive component per branch, ``defensive``) after ``REFITS`` steps of population Monte Carlo
+    on the pilot sequence of ``seed``: the proposal the replicates use."""
     D = int(K.INTEGRAL_DIM)
-    cm, cL, cla = cm.copy(), cL.copy(), cla.copy()
+    nc, cb, cm, cL, cla = nc.copy(), cb.copy(), cm.copy(), cL.copy(), cla.copy()
+    if wide:
+        defensive(nc, cb, cm, cL, cla, active)
     pilot = qmc.Sobol(D + 1, scramble=True, seed=np.random.default_rng([seed, REPS]))
     for _ in range(REFITS):
         refit(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, pilot)
-    return cm, cL, cla
+    return nc, cb, cm, cL, cla
+
+
+def defensive(nc, cb, cm, cL, cla, active, widen: float | None = None, share: float | None = None):
+    """In place, for the samples ``active``: one more component per branch, at the branch's mixture
+    mean with its moment-matched covariance widened ``widen`` times (in sd) and ``share`` of its
+    mass (while there is room). The modes' Laplace Gaussians are narrower than the posterior's
+    plateau between and around them; points the t proposal sends there rarely, with a large
+    weight each, made the weights heavy-tailed (a defensive mixture, Hesterberg 1995). widen and
+    share default to ``DEFENSIVE_WIDTH``, ``DEFENSIVE_SHARE``; 0: none."""
+    widen = DEFENSIVE_WIDTH if widen is None else widen
+    share = DEFENSIVE_SHARE if share is None else share
+    if not (widen > 0 and share > 0):
+        return
+    room = cm.shape[1]
+    for i in active:
+        k = int(nc[i])
+        for b in np.unique(cb[i, :k]):
+            if nc[i] >= room:
+                break
+            js = np.flatnonzero(cb[i, :k] == b)
+            top = cla[i, js].max()
+            a = np.exp(cla[i, js] - top)
+            mu = a @ cm[i, js] / a.sum()
+            dev = cm[i, js] - mu
+            C = (np.einsum("j,jab,jcb->ac", a, cL[i, js], cL[i, js]) + np.einsum("j,ja,jb->ab", a, dev, dev)) / a.sum()
+            try:
+                L = np.linalg.cholesky(C)
+            except np.linalg.LinAlgError:
+                continue
+            q = int(nc[i])
+            cb[i, q], cm[i, q], cL[i, q], cla[i, q] = b, mu, widen * L, np.log(share * a.sum()) + top
+            nc[i] += 1
 
 
 def scramblings(seed: int, D: int, skip: int = 0) -> list:
