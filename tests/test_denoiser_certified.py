@@ -641,6 +641,17 @@ def _modes(m, om, obs, V):
     return (K, *modal.modes(K, obs, om, V[None], m.params_array()))
 
 
+def _two_se_samples(seed):
+    """Two SE points of two layers at T = 3 (V = 0.6 I) with their modes: the QMC stage's inputs."""
+    m = load("attention_L2_T3")
+    rng = np.random.default_rng(seed)
+    V = 0.6 * np.eye(2)
+    om = np.stack([se_point(m, rng, V=V)[0] for _ in range(2)])
+    Z = om + np.sqrt(0.6) * rng.standard_normal(om.shape)
+    obs = np.array([m.observation(z) for z in Z])
+    return (m, V, om, obs, *_modes(m, om, obs, V))
+
+
 def test_randomised_qmc_stage_estimate_holds_against_the_certified_cascade():
     """The randomised-QMC stage (the rule at k >= 6) applied to two layers at T = 3, where the
     cascade certifies 1e-9: at SE points and with the last layer nearly known, its
@@ -671,13 +682,7 @@ def test_randomised_qmc_stage_reports_an_overflowed_sum_by_its_status():
     of the batch are unaffected."""
     from aimsym.denoise import rqmc
 
-    m = load("attention_L2_T3")
-    rng = np.random.default_rng(6)
-    V = 0.6 * np.eye(2)
-    om = np.stack([se_point(m, rng, V=V)[0] for _ in range(2)])
-    Z = om + np.sqrt(0.6) * rng.standard_normal(om.shape)
-    obs = np.array([m.observation(z) for z in Z])
-    K, nc, (cb, cm, cL, cla) = _modes(m, om, obs, V)
+    m, V, om, obs, K, nc, (cb, cm, cL, cla) = _two_se_samples(6)
 
     class Overflowing:  # the compiled module, with sample 0's sums overflowing
         def __getattr__(self, name):
@@ -699,13 +704,7 @@ def test_randomised_qmc_stage_gives_a_sample_without_components_zero_likelihood(
     from the proposal's refit, for the whole batch); the other sample is unaffected."""
     from aimsym.denoise import rqmc
 
-    m = load("attention_L2_T3")
-    rng = np.random.default_rng(6)
-    V = 0.6 * np.eye(2)
-    om = np.stack([se_point(m, rng, V=V)[0] for _ in range(2)])
-    Z = om + np.sqrt(0.6) * rng.standard_normal(om.shape)
-    obs = np.array([m.observation(z) for z in Z])
-    K, nc, (cb, cm, cL, cla) = _modes(m, om, obs, V)
+    m, V, om, obs, K, nc, (cb, cm, cL, cla) = _two_se_samples(6)
     nc = nc.copy()
     nc[0] = 0
     g, dg, ex, st = rqmc.run(K, obs, om, V[None], m.params_array(), nc, cb, cm, cL, cla, np.arange(2), 1e-2,
@@ -749,13 +748,7 @@ def test_modal_rule_tail_is_the_largest_per_node_weights():
     loop of one-node calls, and each one-node weight is at least that node's S0 (1 + |.|^2 >= 1)."""
     from aimsym.denoise import rqmc
 
-    m = load("attention_L2_T3")
-    rng = np.random.default_rng(8)
-    V = 0.6 * np.eye(2)
-    om = np.stack([se_point(m, rng, V=V)[0] for _ in range(2)])
-    Z = om + np.sqrt(0.6) * rng.standard_normal(om.shape)
-    obs = np.array([m.observation(z) for z in Z])
-    K, nc, (cb, cm, cL, cla) = _modes(m, om, obs, V)
+    m, V, om, obs, K, nc, (cb, cm, cL, cla) = _two_se_samples(8)
     D = int(K.INTEGRAL_DIM)
     x, w = rqmc.t_points(rqmc.scramblings(3, D)[0], D, 64)
     nq = 1 + 6 + 21
@@ -780,13 +773,7 @@ def test_randomised_qmc_stage_does_not_estimate_a_heavy_tailed_sample():
     of shape 0.95; the tail the stage sees is their largest.)"""
     from aimsym.denoise import rqmc
 
-    m = load("attention_L2_T3")
-    rng = np.random.default_rng(6)
-    V = 0.6 * np.eye(2)
-    om = np.stack([se_point(m, rng, V=V)[0] for _ in range(2)])
-    Z = om + np.sqrt(0.6) * rng.standard_normal(om.shape)
-    obs = np.array([m.observation(z) for z in Z])
-    K, nc, (cb, cm, cL, cla) = _modes(m, om, obs, V)
+    m, V, om, obs, K, nc, (cb, cm, cL, cla) = _two_se_samples(6)
     draws = np.random.default_rng(1)
     seen = []
 
