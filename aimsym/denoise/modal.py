@@ -297,7 +297,7 @@ def run(kernels, obs, omega, V, params, *, tol: float, max_regions: int = MAX_RE
             idx = rest[left]
             ok3 = st3 == 0
             others.append((idx[ok3], g3[ok3], dg3[ok3], ex3[ok3, 0], ex3[ok3, 2]))
-            # heavy-tailed weights (``rqmc.TAIL_MAX``): a thin structure the rules converge without
+            # heavy-tailed weights (``rqmc.TAIL_MAX``): posterior mass the rules converge without
             # seeing; no stage's estimate holds there (two untied layers, T = 3: the fast path's 0.62
             # for a difference of 1.9 to a run with 32x the points, whose own spread was 0.58), so the
             # sample gets this stage's values, from the most points, and the estimate inf

@@ -157,8 +157,8 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
         heavy[again] = ex2[:, 4] >= TAIL_MAX
     if np.any(heavy & (status == 0)):
         warnings.warn(f"denoiser: {int(np.sum(heavy & (status == 0)))} of {n} samples have heavy-tailed importance "
-                      f"weights (Pareto shape >= {TAIL_MAX}, with a defensive proposal): their error is not "
-                      "controlled (estimate inf)", RuntimeWarning, stacklevel=2)
+                      f"weights (Pareto shape >= {TAIL_MAX}{', also with a defensive proposal' if retry else ''}): "
+                      "their error is not controlled (estimate inf)", RuntimeWarning, stacklevel=2)
     return g, dg, extra, status
 
 
