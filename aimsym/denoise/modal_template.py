@@ -849,12 +849,13 @@ def modal_rule_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, tot, ta
                             cla, fshift, u)
             if not (f == f):
                 continue
-            r2 = 0.0
             for kk in range(p):
                 for tt in range(nt):
                     dz[kk * nt + tt] = z[kk, tt] - omega[kk, tt]
-                    r2 += dz[kk * nt + tt] * dz[kk * nt + tt]
-            if keep:
+            if keep:  # (only the QMC stage's first pass asks for the tail)
+                r2 = 0.0
+                for a in range(pt):
+                    r2 += dz[a] * dz[a]
                 node_w[k] += f * (1.0 + r2)
             tot[0] += f
             q = 1

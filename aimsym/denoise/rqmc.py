@@ -154,9 +154,9 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
                                 defended=True)
         ex2[:, 1] += extra[again, 1]
         g[again], dg[again], extra[again], status[again] = g2, dg2, ex2, st2
-        heavy[again] = ex2[:, 4] >= TAIL_MAX
-    if np.any(heavy & (status == 0)):
-        warnings.warn(f"denoiser: {int(np.sum(heavy & (status == 0)))} of {n} samples have heavy-tailed importance "
+    lost = int(np.sum((extra[:, 4] >= TAIL_MAX) & (status == 0)))
+    if lost:
+        warnings.warn(f"denoiser: {lost} of {n} samples have heavy-tailed importance "
                       f"weights (Pareto shape >= {TAIL_MAX}{', also with a defensive proposal' if retry else ''}): "
                       "their error is not controlled (estimate inf)", RuntimeWarning, stacklevel=2)
     return g, dg, extra, status
