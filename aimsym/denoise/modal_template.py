@@ -905,6 +905,61 @@ def modal_refit_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, S0, S1
     return fshift
 
 
+@njit(cache=True)
+def modal_heaviest_one(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, hu, hj, hv, hf):
+    """The m = hj.shape[0] heaviest points of the partition-of-unity terms (nodes and weights as
+    in ``modal_rule_one``): their u (hu), component (hj, -1 where fewer), log weight (hv, in the
+    units exp(. - fshift)) and log f at u (hf), heaviest first. Where the weights are heavy-
+    tailed these are the points in posterior mass the components miss (``aimsym.denoise.rqmc``
+    centres new components on them)."""
+    Vinv, logdet_V, cLinv, cln, fshift = _terms_setup(V, nc, cL, cla)
+    m = hj.shape[0]
+    for a in range(m):
+        hj[a] = -1
+        hv[a] = -math.inf
+    if fshift != fshift:
+        return
+    D = INTEGRAL_DIM
+    u = np.empty(D)
+    z = np.zeros((P, T))
+    for j in range(nc):
+        for k in range(nodes.shape[0]):
+            lv = _log_term(j, nodes[k], obs, params, z, omega, Vinv, logdet_V, nc, cb, cm, cL, cLinv, cln, cla,
+                           fshift, u)
+            if not (lv > -math.inf) or not (w[k] > 0.0):
+                continue
+            lv += math.log(w[k])
+            if not (lv > hv[m - 1]):
+                continue
+            a = m - 1  # insertion into the sorted list
+            while a > 0 and hv[a - 1] < lv:
+                hv[a] = hv[a - 1]
+                hj[a] = hj[a - 1]
+                for c in range(D):
+                    hu[a, c] = hu[a - 1, c]
+                a -= 1
+            hv[a] = lv
+            hj[a] = j
+            for c in range(D):
+                hu[a, c] = u[c]
+    for a in range(m):
+        if hj[a] >= 0:
+            for c in range(D):
+                u[c] = hu[a, c]
+            hf[a] = _mlogf(cb[hj[a]], u, obs, params, z, omega, Vinv, logdet_V)
+
+
+@njit(cache=True, parallel=True)
+def modal_heaviest(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, idx, hu, hj, hv, hf):
+    """``modal_heaviest_one`` for the samples idx of a batch (hu, hj, hv, hf indexed like idx)."""
+    shared = V.shape[0] == 1
+    for r in prange(idx.shape[0]):
+        i = idx[r]
+        Vi = V[0] if shared else V[i]
+        modal_heaviest_one(obs[i], omega[i], Vi, params, nc[i], cb[i], cm[i], cL[i], cla[i], nodes, w, hu[r], hj[r],
+                           hv[r], hf[r])
+
+
 @njit(cache=True, parallel=True)
 def modal_refit(obs, omega, V, params, nc, cb, cm, cL, cla, nodes, w, idx, S0, S1, S2):
     """``modal_refit_one`` for the samples idx of a batch (S0, S1, S2 indexed like idx)."""

@@ -13,10 +13,11 @@ A spread measures the error only where the weights have a finite variance. Where
 has mass the modes' Gaussians do not cover (a plateau between and around them, two untied layers
 at T = 3), a rare point far out in a component's proposal carries a large weight, the replicates
 agree until one meets it, and the spread understated the actual error by up to 3x
-(docs/denoiser.md). Two defences: a wide component per branch in the proposal (``defensive``),
-and a check that what is left is not heavy-tailed: the tail of the first pass's per-point weights
-is fitted by a generalised Pareto law (``aimsym.numerics.pareto_tail_index``); a sample whose shape
-is at least ``TAIL_MAX`` gets the estimate inf: its error is not controlled, and a warning counts it.
+(docs/denoiser.md). So the tail of the first pass's per-point weights is fitted by a generalised
+Pareto law (``aimsym.numerics.pareto_tail_index``); a sample whose shape is at least ``TAIL_MAX``
+runs again with a wide component per branch in its proposal (``defensive``), and if still heavy-
+tailed, with components centred on its heaviest points (``discover``). One that stays heavy-
+tailed gets the estimate inf: its error is not controlled, and a warning counts it.
 
 Where the cascade's cubature needs 14 s for an estimate of 0.36 (four layers, k = 6), this stage
 reaches ~1e-3 in about two seconds (docs/performance.md); its error falls as about N^-2/3, so it
@@ -63,6 +64,11 @@ DEFENSIVE_SHARE = 0.1
 # the variance becomes infinite; at two untied layers, T = 3, every sample whose spread understated
 # the actual error had a shape >= 0.81, none of the shapes in [1/2, 0.7) did (docs/denoiser.md)
 TAIL_MAX = 0.7
+# rounds of components centred on the heaviest points (``discover``) for a sample still heavy-
+# tailed with the defensive component; DISCOVER_NEW components per round, from DISCOVER_POINTS points
+DISCOVER_ROUNDS = 2
+DISCOVER_NEW = 4
+DISCOVER_POINTS = 16384
 
 
 def t_points(engine, D: int, n: int, nu: float = NU):
@@ -77,14 +83,72 @@ def t_points(engine, D: int, n: int, nu: float = NU):
 
 
 def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, max_points: int = MAX_POINTS,
-        seed: int | None = None, defended: bool = False):
+        seed: int | None = None):
     """The stage for the samples ``active`` of a batch (components from ``modal_modes``).
     Returns g_out, dg_out and extra [log Z_out, evaluations, estimate, budget hit, Pareto shape of
     the weights' tail], indexed like active, and a status array. A sample whose first pass is
-    heavy-tailed (``TAIL_MAX``) stops there and runs again with a defensive component per branch
-    (``defended``: this is that run); warns with the count still heavy-tailed (estimate inf)."""
-    comps = (nc, cb, cm, cL, cla)
-    retry = not defended and DEFENSIVE_WIDTH > 0 and DEFENSIVE_SHARE > 0
+    heavy-tailed (``TAIL_MAX``) stops there and runs again with a defensive component per branch;
+    if still heavy-tailed, up to ``DISCOVER_ROUNDS`` times more with components centred on its
+    heaviest points (``discover``); warns with the count left heavy-tailed (estimate inf)."""
+    seed = SEED if seed is None else seed
+    n = active.size
+    p, T = omega.shape[1:]
+    g, dg = np.empty((n, p, T)), np.empty((n, p, T, p, T))
+    extra = np.zeros((n, 5))
+    extra[:, 2] = np.inf
+    extra[:, 4] = np.nan
+    status = np.zeros(n, np.int64)
+    # (a sample whose mode search found no component has no proposal: zero likelihood, as elsewhere)
+    empty = nc[active] <= 0
+    status[empty] = np.where(nc[active[empty]] < 0, -nc[active[empty]], int(K.STATUS_ZERO_LIKELIHOOD))
+    rows = np.flatnonzero(~empty)
+    retry = DEFENSIVE_WIDTH > 0 and DEFENSIVE_SHARE > 0
+    comps = proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active[rows], seed)
+    data, sub = (obs, omega, V), active[rows]
+    for attempt in range(2 + DISCOVER_ROUNDS if retry else 1):
+        if attempt == 1:
+            # the heavy-tailed samples alone, with room for the components added to them: the same
+            # modes with a defensive component per branch
+            sub = active[rows]
+            data = (obs[sub], omega[sub], V if V.shape[0] == 1 else V[sub])
+            more = int(K.N_BRANCHES) + DISCOVER_ROUNDS * DISCOVER_NEW
+            comps = _with_room(more, nc[sub], cb[sub], cm[sub], cL[sub], cla[sub])
+            comps = proposal(K, *data, params, *comps, np.arange(sub.size), seed, wide=True)
+            sub = np.arange(sub.size)
+        elif attempt > 1:  # and components on the heaviest points the last proposal met
+            discover(K, *data, params, *comps, sub, seed, attempt - 2)
+            for _ in range(REFITS):
+                refit(K, *data, params, *comps, sub, _pilot(seed, int(K.INTEGRAL_DIM)))
+        last = not retry or attempt == 1 + DISCOVER_ROUNDS
+        out = _stage(K, *data, params, *comps, sub, tol, max_points, seed, stop_heavy=not last)
+        if attempt:
+            out[2][:, 1] += extra[rows, 1]  # (the evaluations of the earlier attempts count)
+        g[rows], dg[rows], extra[rows], status[rows] = out
+        again = (extra[rows, 4] >= TAIL_MAX) & (status[rows] == 0)
+        rows, sub = rows[again], sub[again]
+        if rows.size == 0:
+            break
+    lost = int(np.sum((extra[:, 4] >= TAIL_MAX) & (status == 0)))
+    if lost:
+        warnings.warn(f"denoiser: {lost} of {n} samples have heavy-tailed importance "
+                      f"weights (Pareto shape >= {TAIL_MAX}"
+                      f"{', also with defensive and discovered components' if retry else ''}): "
+                      "their error is not controlled (estimate inf)", RuntimeWarning, stacklevel=2)
+    return g, dg, extra, status
+
+
+def _with_room(more: int, nc, cb, cm, cL, cla):
+    """Copies of the components with ``more`` free slots per sample."""
+    n, room = cb.shape
+    pad = ((0, 0), (0, more))
+    return (nc.copy(), np.pad(cb, pad), np.pad(cm, pad + ((0, 0),)), np.pad(cL, pad + ((0, 0), (0, 0))),
+            np.pad(cla, pad))
+
+
+def _stage(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol, max_points, seed, stop_heavy):
+    """One run of the replicates on the proposal (nc, cb, cm, cL, cla) for the samples ``active``
+    (all with components): (g, dg, extra, status) as ``run``. A heavy-tailed sample stops after
+    its first pass where ``stop_heavy`` (it is run again on another proposal), else gets inf."""
     D = int(K.INTEGRAL_DIM)
     n = active.size
     p, T = omega.shape[1:]
@@ -93,19 +157,12 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
     g, dg = np.empty((n, p, T)), np.empty((n, p, T, p, T))
     extra = np.zeros((n, 5))
     extra[:, 2] = np.inf
-    extra[:, 4] = np.nan
     status = np.zeros(n, np.int64)
-    seed = SEED if seed is None else seed
-    # (a sample whose mode search found no component has no proposal: zero likelihood, as elsewhere)
-    empty = nc[active] <= 0
-    status[empty] = np.where(nc[active[empty]] < 0, -nc[active[empty]], int(K.STATUS_ZERO_LIKELIHOOD))
-    nc, cb, cm, cL, cla = proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active[~empty], seed,
-                                   wide=defended)
     engines = scramblings(seed, D)
     sums = np.zeros((REPS, n, nq))
     fshift = np.empty(n)
     res = chamber.residual_covariance(K, V)
-    left = np.flatnonzero(~empty)  # positions in active still refining
+    left = np.arange(n)  # positions in active still refining
     count, step = 0, START
     # the largest per-point weights of the replicates' first passes (their tail: ``TAIL_MAX``)
     keep = tail_size(REPS * START) + 1
@@ -143,22 +200,9 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
         g[left], dg[left], extra[left, 0] = gm, dgm, lzm
         extra[left, 2] = est
         status[left] = np.where(fine, 0, st)
-        left = left[~(est <= tol) & (st == 0) & ~(retry & heavy[left])]
+        left = left[~(est <= tol) & (st == 0) & ~(stop_heavy & heavy[left])]
         step = count  # (doubling: the next points of each sequence)
     extra[left, 3] = 1.0
-    if defended:
-        return g, dg, extra, status
-    again = np.flatnonzero(heavy & (status == 0))
-    if again.size and retry:
-        g2, dg2, ex2, st2 = run(K, obs, omega, V, params, *comps, active[again], tol, max_points=max_points, seed=seed,
-                                defended=True)
-        ex2[:, 1] += extra[again, 1]
-        g[again], dg[again], extra[again], status[again] = g2, dg2, ex2, st2
-    lost = int(np.sum((extra[:, 4] >= TAIL_MAX) & (status == 0)))
-    if lost:
-        warnings.warn(f"denoiser: {lost} of {n} samples have heavy-tailed importance "
-                      f"weights (Pareto shape >= {TAIL_MAX}{', also with a defensive proposal' if retry else ''}): "
-                      "their error is not controlled (estimate inf)", RuntimeWarning, stacklevel=2)
     return g, dg, extra, status
 
 
@@ -210,10 +254,49 @@ def proposal(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, seed: int, w
     nc, cb, cm, cL, cla = nc.copy(), cb.copy(), cm.copy(), cL.copy(), cla.copy()
     if wide:
         defensive(nc, cb, cm, cL, cla, active)
-    pilot = qmc.Sobol(D + 1, scramble=True, seed=np.random.default_rng([seed, REPS]))
+    pilot = _pilot(seed, D)
     for _ in range(REFITS):
         refit(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, pilot)
     return nc, cb, cm, cL, cla
+
+
+def _pilot(seed: int, D: int):
+    """The population Monte Carlo steps' sequence (not one of the replicates')."""
+    return qmc.Sobol(D + 1, scramble=True, seed=np.random.default_rng([seed, REPS]))
+
+
+def discover(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, seed: int, round_: int = 0):
+    """In place, for the samples ``active``: up to ``DISCOVER_NEW`` more components each, centred on
+    the heaviest points of ``DISCOVER_POINTS`` points of the current proposal (at least one sd of
+    their generating component apart), with that component's covariance and the mass of a
+    Gaussian of this covariance with the height f there. Where the weights stay heavy-tailed with
+    a defensive component, the mass the modes' Gaussians miss lies where these points are; the
+    population Monte Carlo steps that follow move the new components onto it (incremental mixture
+    importance sampling, Raftery and Bao 2010)."""
+    D = int(K.INTEGRAL_DIM)
+    eng = qmc.Sobol(D + 1, scramble=True, seed=np.random.default_rng([seed, REPS + 1, round_]))
+    x, w = t_points(eng, D, DISCOVER_POINTS)
+    m = 4 * DISCOVER_NEW
+    hu, hj = np.zeros((active.size, m, D)), np.zeros((active.size, m), np.int64)
+    hv, hf = np.zeros((active.size, m)), np.full((active.size, m), -np.inf)
+    K.modal_heaviest(obs, omega, V, params, nc, cb, cm, cL, cla, x, w / DISCOVER_POINTS, active, hu, hj, hv, hf)
+    room = cm.shape[1]
+    for r, i in enumerate(active):
+        added = []
+        for a in range(m):
+            j = int(hj[r, a])
+            if j < 0 or nc[i] >= room or len(added) == DISCOVER_NEW:
+                break
+            if not np.isfinite(hf[r, a]):
+                continue
+            L = cL[i, j].copy()
+            if any(np.sum(np.linalg.solve(L, hu[r, a] - c) ** 2) < 1.0 for c in added):
+                continue
+            q = int(nc[i])
+            cb[i, q], cm[i, q], cL[i, q] = cb[i, j], hu[r, a], L
+            cla[i, q] = hf[r, a] + 0.5 * D * np.log(2 * np.pi) + np.sum(np.log(np.diag(L)))
+            nc[i] += 1
+            added.append(hu[r, a])
 
 
 def defensive(nc, cb, cm, cL, cla, active, widen: float | None = None, share: float | None = None):
