@@ -139,7 +139,6 @@ def run(K, obs, omega, V, params, nc, cb, cm, cL, cla, active, tol: float, *, ma
 
 def _with_room(more: int, nc, cb, cm, cL, cla):
     """Copies of the components with ``more`` free slots per sample."""
-    n, room = cb.shape
     pad = ((0, 0), (0, more))
     return (nc.copy(), np.pad(cb, pad), np.pad(cm, pad + ((0, 0),)), np.pad(cL, pad + ((0, 0), (0, 0))),
             np.pad(cla, pad))
